@@ -1,0 +1,19 @@
+"""zeroray: ZeRO sharded training (stages 0-3, ZeRO-R) of PyTorch models on Ray."""
+from zeroray.config import (Adam, AdamW, CheckpointConfig, FailureConfig, SGD, ScalingConfig,
+                            ZeroConfig)
+
+__all__ = ["Adam", "AdamW", "SGD", "ZeroConfig", "ScalingConfig", "FailureConfig",
+           "CheckpointConfig", "Trainer", "StepResult", "estimate_memory"]
+
+
+def __getattr__(name):
+    # Lazy: `import zeroray` must not import ray (the engine layers run without it).
+    if name in ("Trainer", "StepResult"):
+        from zeroray.runtime import trainer
+
+        return getattr(trainer, name)
+    if name == "estimate_memory":
+        from zeroray.memory import estimate_memory
+
+        return estimate_memory
+    raise AttributeError(f"module 'zeroray' has no attribute {name!r}")

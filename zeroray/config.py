@@ -1,0 +1,281 @@
+"""User-facing configuration: frozen, keyword-only dataclasses validated on construction.
+
+Each component receives only its own config object (torchtitan style), never a global one.
+Every invalid value raises ``ValueError`` naming the field and saying what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
+
+DTYPES = ("fp32", "bf16", "fp16")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def _fail(cls: str, name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"{cls}.{name}={value!r} is invalid: {allowed}")
+
+
+def _positive_int(cls: str, name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        _fail(cls, name, value, "it must be an integer >= 1")
+
+
+def _positive_number(cls: str, name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value <= 0):
+        _fail(cls, name, value, "it must be a finite number > 0" + (" or None" if allow_none else ""))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """What is sharded and how the bulk tensors move.
+
+    stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters.
+    dtype: compute dtype of parameters and gradients; the optimizer keeps an fp32 master shard.
+    reduce_dtype: dtype gradients are reduced in (None: fp32).
+    bucket_bytes: size of one coalescing bucket (C_B) for gradient reduction and gathers.
+    prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use.
+    max_live_bytes: stage 3, bound on gathered parameter bytes held at once (excluding the
+        module being computed, which must always be gathered).
+    reuse_distance: stage 3, a module whose parameters are needed again within this many
+        module calls is kept gathered instead of refetched.
+    prefetch: stage 3, turn the trace-based prefetch on or off (off: synchronous fetch).
+    """
+
+    stage: int = 3
+    dtype: str = "fp32"
+    reduce_dtype: Optional[str] = None
+    bucket_bytes: int = 8 * 2**20
+    prefetch_bytes: int = 32 * 2**20
+    max_live_bytes: int = 256 * 2**20
+    reuse_distance: int = 2
+    prefetch: bool = True
+    grad_accum_steps: int = 1
+    max_grad_norm: Optional[float] = None
+    # fp16 dynamic loss scaling
+    initial_loss_scale: float = 2.0**16
+    loss_scale_growth_factor: float = 2.0
+    loss_scale_backoff_factor: float = 0.5
+    loss_scale_growth_interval: int = 1000
+    min_loss_scale: float = 1.0
+    # ZeRO-R
+    activation_checkpointing: Union[bool, Tuple[type, ...], Sequence[type]] = False
+    offload_activations: bool = False
+    sharded_init: bool = True
+    collective_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        c = "ZeroConfig"
+        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            _fail(c, "stage", self.stage, "choose 0 (plain data parallel), 1, 2 or 3")
+        if self.dtype not in DTYPES:
+            _fail(c, "dtype", self.dtype, f"choose one of {DTYPES}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
+            _fail(c, "reduce_dtype", self.reduce_dtype, f"choose one of {DTYPES} or None (fp32)")
+        for name in ("bucket_bytes", "prefetch_bytes", "max_live_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                _fail(c, name, value, "it must be a positive number of bytes (an int > 0)")
+        if not isinstance(self.reuse_distance, int) or self.reuse_distance < 0:
+            _fail(c, "reuse_distance", self.reuse_distance, "it must be an integer >= 0")
+        _positive_int(c, "grad_accum_steps", self.grad_accum_steps)
+        _positive_number(c, "max_grad_norm", self.max_grad_norm, allow_none=True)
+        _positive_number(c, "initial_loss_scale", self.initial_loss_scale)
+        _positive_number(c, "min_loss_scale", self.min_loss_scale)
+        if not (isinstance(self.loss_scale_growth_factor, (int, float)) and self.loss_scale_growth_factor > 1):
+            _fail(c, "loss_scale_growth_factor", self.loss_scale_growth_factor, "it must be > 1")
+        if not (isinstance(self.loss_scale_backoff_factor, (int, float)) and 0 < self.loss_scale_backoff_factor < 1):
+            _fail(c, "loss_scale_backoff_factor", self.loss_scale_backoff_factor, "it must be in (0, 1)")
+        _positive_int(c, "loss_scale_growth_interval", self.loss_scale_growth_interval)
+        ac = self.activation_checkpointing
+        if not isinstance(ac, bool):
+            types = tuple(ac) if isinstance(ac, (tuple, list)) else None
+            if not types or not all(isinstance(t, type) for t in types):
+                _fail(c, "activation_checkpointing", ac,
+                      "use True (every block), False, or a tuple of nn.Module classes to checkpoint")
+            object.__setattr__(self, "activation_checkpointing", types)
+        _positive_number(c, "collective_timeout_s", self.collective_timeout_s)
+
+    @property
+    def reduce_dtype_name(self) -> str:
+        return self.reduce_dtype or "fp32"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingConfig:
+    """How many workers and what each gets.
+
+    min_workers: after a failure, training continues with as many workers as the cluster
+        offers, down to this many (None: num_workers, i.e. wait for the full size).
+    """
+
+    num_workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    min_workers: Optional[int] = None
+    placement_strategy: str = "PACK"
+    placement_timeout_s: float = 60.0
+    threads_per_worker: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        c = "ScalingConfig"
+        _positive_int(c, "num_workers", self.num_workers)
+        if not isinstance(self.use_gpu, bool):
+            _fail(c, "use_gpu", self.use_gpu, "it must be True or False")
+        _positive_number(c, "cpus_per_worker", self.cpus_per_worker)
+        if self.min_workers is not None:
+            _positive_int(c, "min_workers", self.min_workers)
+            if self.min_workers > self.num_workers:
+                _fail(c, "min_workers", self.min_workers, f"it must be <= num_workers ({self.num_workers})")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            _fail(c, "placement_strategy", self.placement_strategy, f"choose one of {PLACEMENT_STRATEGIES}")
+        _positive_number(c, "placement_timeout_s", self.placement_timeout_s)
+        if self.threads_per_worker is not None:
+            _positive_int(c, "threads_per_worker", self.threads_per_worker)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureConfig:
+    """max_failures: worker failures survived during fit (restart from the last checkpoint)."""
+
+    max_failures: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_failures, int) or isinstance(self.max_failures, bool) or self.max_failures < 0:
+            _fail("FailureConfig", "max_failures", self.max_failures, "it must be an integer >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """path: directory (or pyarrow.fs URI); every_steps: save cadence during fit; keep: how many to keep."""
+
+    path: Optional[str] = None
+    every_steps: Optional[int] = None
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        c = "CheckpointConfig"
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            _fail(c, "path", self.path, "it must be a non-empty path string")
+        if self.every_steps is not None:
+            _positive_int(c, "every_steps", self.every_steps)
+            if self.path is None:
+                _fail(c, "every_steps", self.every_steps, "set CheckpointConfig.path too, so there is somewhere to save")
+        _positive_int(c, "keep", self.keep)
+
+
+# --- optimizer specs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class _OptimizerSpec:
+    lr: float = 1e-3
+
+    def build(self, params: Any) -> Any:  # -> torch.optim.Optimizer
+        raise NotImplementedError
+
+    def _check_lr(self) -> None:
+        if (not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool)
+                or not math.isfinite(self.lr) or self.lr < 0):
+            _fail(type(self).__name__, "lr", self.lr, "it must be a finite number >= 0")
+
+    @property
+    def state_floats_per_param(self) -> int:
+        """fp32 values of optimizer state per parameter, excluding the master weight."""
+        raise NotImplementedError
+
+
+def _check_betas(cls: str, betas: Any) -> None:
+    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+        _fail(cls, "betas", betas, "it must be two numbers in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Adam(_OptimizerSpec):
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._check_lr()
+        _check_betas(type(self).__name__, self.betas)
+        _positive_number(type(self).__name__, "eps", self.eps)
+        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
+            _fail(type(self).__name__, "weight_decay", self.weight_decay, "it must be >= 0")
+
+    def build(self, params: Any) -> Any:
+        import torch
+
+        return torch.optim.Adam(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
+                                weight_decay=self.weight_decay, foreach=False)
+
+    @property
+    def state_floats_per_param(self) -> int:
+        return 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamW(Adam):
+    weight_decay: float = 1e-2
+
+    def build(self, params: Any) -> Any:
+        import torch
+
+        return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
+                                 weight_decay=self.weight_decay, foreach=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGD(_OptimizerSpec):
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_lr()
+        c = type(self).__name__
+        for name in ("momentum", "dampening", "weight_decay"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v < 0:
+                _fail(c, name, v, "it must be >= 0")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            _fail(c, "nesterov", self.nesterov, "Nesterov momentum needs momentum > 0 and dampening = 0")
+
+    def build(self, params: Any) -> Any:
+        import torch
+
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
+                               weight_decay=self.weight_decay, nesterov=self.nesterov, foreach=False)
+
+    @property
+    def state_floats_per_param(self) -> int:
+        return 1 if self.momentum > 0 else 0
+
+
+OptimizerSpec = Union[_OptimizerSpec, Callable[[Any], Any]]
+
+
+def validate_optimizer(spec: Any) -> None:
+    """An optimizer spec is one of ours or a callable params -> torch.optim.Optimizer."""
+    if isinstance(spec, _OptimizerSpec):
+        return
+    if isinstance(spec, type):
+        raise ValueError(
+            f"optimizer={spec.__name__} is a class, not a spec: pass zr.AdamW(lr=...), or a callable "
+            f"such as `lambda params: {spec.__name__}(params, lr=...)`")
+    if not callable(spec):
+        raise ValueError(
+            f"optimizer={spec!r} is invalid: pass zr.AdamW(...), zr.Adam(...), zr.SGD(...) or a callable "
+            "params -> torch.optim.Optimizer")
+
+
+def replace(obj: Any, **changes: Any) -> Any:
+    """dataclasses.replace, re-validated."""
+    return dataclasses.replace(obj, **changes)
