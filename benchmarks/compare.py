@@ -1,0 +1,334 @@
+"""zeroray side by side with the compute floor, torch DDP, torch FSDP2 and DeepSpeed.
+
+    python benchmarks/compare.py [--large] [--steps N] [--workers 2]
+        [--only floor,ddp,fsdp2,zr0,zr1,zr2,zr3,ds1,ds2,ds3] [--json out.json] [--zr-prefetch on|off]
+
+Every row trains the same GPT (examples/gpt.py) from the same initial weights on the same
+real-text global batches, one row after another (never two at once), with one thread per
+worker. It prints median s/step, the ratio to the floor, peak RSS per worker and bytes
+communicated per worker per step, checks that the multi-worker rows agree on the loss, and
+writes everything to JSON. See benchmarks/README.md for what each column means.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+if BENCH_DIR not in sys.path:
+    sys.path.insert(0, BENCH_DIR)
+
+from common import ROOT, BenchSpec, add_import_paths, median  # noqa: E402
+
+ALL_ROWS = ("floor", "ddp", "fsdp2", "zr0", "zr1", "zr2", "zr3", "ds1", "ds2", "ds3")
+# Multi-worker rows train on the same global batches and must report the same losses.
+LOSS_RTOL = 1e-4
+MB = 1e6
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--large", action="store_true", help="d_model 512, 8 layers, 8 heads (default: 256, 4, 4)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per row (median reported; default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
+    p.add_argument("--workers", type=int, default=2, help="workers for every multi-worker row (default 2)")
+    p.add_argument("--only", default=",".join(ALL_ROWS), help="comma-separated rows, in any order")
+    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "compare.json"),
+                   help="where to write the results (default benchmarks/results/compare.json)")
+    p.add_argument("--zr-prefetch", choices=("on", "off"), default="on",
+                   help="ZeroConfig(prefetch=...) for the zeroray rows (matters for stage 3)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a torch/DeepSpeed row is killed")
+    # Overrides for quick checks; the defaults are the benchmark.
+    p.add_argument("--d-model", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--heads", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--seq-len", type=int, default=128, help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=8, help=argparse.SUPPRESS)  # sequences per worker
+    p.add_argument("--lr", type=float, default=1e-3, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.rows = [r.strip() for r in args.only.split(",") if r.strip()]
+    unknown = [r for r in args.rows if r not in ALL_ROWS]
+    if unknown:
+        p.error(f"--only: unknown row(s) {unknown}; choose from {','.join(ALL_ROWS)}")
+    args.rows = [r for r in ALL_ROWS if r in args.rows]  # always the canonical order
+    for name in ("steps", "workers", "batch", "threads", "seq_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    return args
+
+
+def make_spec(args: argparse.Namespace) -> BenchSpec:
+    d_model, layers, heads = (512, 8, 8) if args.large else (256, 4, 4)
+    d_model = args.d_model or d_model
+    heads = args.heads or (heads if d_model % heads == 0 else 1)
+    if d_model % heads:
+        raise SystemExit(f"--d-model {d_model} is not divisible by --heads {heads}")
+    return BenchSpec(d_model=d_model, n_layers=args.layers or layers, n_heads=heads, seq_len=args.seq_len,
+                     batch_per_worker=args.batch, num_workers=args.workers, threads=args.threads,
+                     warmup_steps=args.warmup, timed_steps=args.steps, lr=args.lr)
+
+
+# --------------------------------------------------------------------------- rows
+
+def summarise_ranks(ranks: list) -> dict:
+    """Fold per-rank results of a torch row into one record (step time: the slowest rank)."""
+    n_steps = min(len(r["step_s"]) for r in ranks)
+    step_s = [max(r["step_s"][i] for r in ranks) for i in range(n_steps)]
+    losses = [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(n_steps)]
+    return {
+        "step_s": step_s,
+        "cpu_s_per_rank": [r.get("cpu_s") for r in ranks],
+        "losses": losses,
+        "rank_losses": [r["losses"] for r in ranks],
+        "peak_rss_bytes": [r.get("peak_rss_bytes") for r in ranks],
+        "base_rss_bytes": [r.get("base_rss_bytes") for r in ranks],
+        "comm": [r["comm"] for r in ranks] if all(r.get("comm") for r in ranks) else None,
+    }
+
+
+def run_peer(row: str, spec: BenchSpec, args) -> dict:
+    import peers
+
+    if row == "floor":
+        return summarise_ranks(peers.launch("floor", spec, nprocs=1, timeout_s=args.timeout))
+    if row in ("ddp", "fsdp2"):
+        return summarise_ranks(peers.launch(row, spec, nprocs=spec.num_workers, timeout_s=args.timeout))
+    stage = int(row[2:])
+    return summarise_ranks(peers.launch("ds", spec, nprocs=spec.num_workers, timeout_s=args.timeout,
+                                        extra={"stage": stage}))
+
+
+def run_all(spec: BenchSpec, args) -> dict:
+    records = {}
+    zr_rows = [r for r in args.rows if r.startswith("zr")]
+    ds_rows = [r for r in args.rows if r.startswith("ds")]
+    ds_missing = None
+    if ds_rows:
+        import peers
+
+        ds_missing = peers.deepspeed_available()
+    session, session_error = None, None
+    try:
+        for row in args.rows:
+            if row in ds_rows and ds_missing:
+                records[row] = {"status": "skipped", "note": f"deepspeed unavailable ({ds_missing})"}
+                continue
+            if row in zr_rows and session is None and session_error is None:
+                try:
+                    from zr_run import ZeroraySession
+
+                    session = ZeroraySession()
+                except Exception as e:
+                    session_error = f"zeroray unavailable: {type(e).__name__}: {e}"
+                    traceback.print_exc()
+            if row in zr_rows and session_error:
+                records[row] = {"status": "failed", "note": session_error}
+                continue
+            log(f"[{row}] running ...")
+            load_before = os.getloadavg()[0]
+            t0 = time.perf_counter()
+            try:
+                if row in zr_rows:
+                    rec = session.run(int(row[2:]), spec, prefetch=args.zr_prefetch == "on")
+                else:
+                    rec = run_peer(row, spec, args)
+                rec["status"] = "ok"
+            except Exception as e:
+                traceback.print_exc()
+                rec = {"status": "failed", "note": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                       "error": str(e)}
+            rec["wall_s"] = time.perf_counter() - t0
+            rec["loadavg_1m"] = [load_before, os.getloadavg()[0]]  # before, after: how noisy it was
+            records[row] = rec
+            if rec["status"] == "ok":
+                log(f"[{row}] median {median(rec['step_s'][spec.warmup_steps:]):.3f} s/step, "
+                    f"losses {fmt_losses(rec['losses'])} ({rec['wall_s']:.0f}s, load {load_before:.1f})")
+            else:
+                log(f"[{row}] FAILED: {rec['note']}")
+            if row in zr_rows and row == zr_rows[-1] and session is not None:
+                session.close()  # before the DeepSpeed rows: Ray's daemons must not share the cores
+                session = None
+    finally:
+        if session is not None:
+            session.close()
+    return records
+
+
+# --------------------------------------------------------------------------- derived numbers
+
+def derive(records: dict, spec: BenchSpec) -> None:
+    """Add the table's numbers to each ok record: median, x floor, MB per worker."""
+    floor = records.get("floor", {})
+    floor_s = median(floor["step_s"][spec.warmup_steps:]) if floor.get("status") == "ok" else None
+    for rec in records.values():
+        if rec.get("status") != "ok":
+            continue
+        timed = rec["step_s"][spec.warmup_steps:]
+        rec["step_s_median"] = median(timed)
+        rec["step_s_mean"] = sum(timed) / len(timed) if timed else float("nan")
+        rec["x_floor"] = rec["step_s_median"] / floor_s if floor_s else None
+        cpu = [c[spec.warmup_steps:] for c in rec.get("cpu_s_per_rank") or [] if c]
+        if cpu:  # a contention-free view for the torch rows: CPU seconds of the busiest rank
+            rec["cpu_s_median"] = max(median(c) for c in cpu)
+            rec["note"] = f"cpu {rec['cpu_s_median']:.3f} s/step"
+        rss = [x for x in (rec.get("peak_rss_bytes") or []) if x is not None]
+        rec["peak_rss_mb_per_worker"] = [x / MB for x in rss] or None
+        comm = rec.get("comm") or []
+        total = [c.get("total_bytes") if isinstance(c, dict) else None for c in comm]
+        rec["comm_mb_per_worker_step"] = ([float(t) / MB for t in total]
+                                          if comm and all(t is not None for t in total) else None)
+        extras = []
+        for key in ("exposed_s", "comm_s", "prefetch_hits"):
+            vals = [c.get(key) for c in comm if isinstance(c, dict) and c.get(key) is not None]
+            if vals:
+                extras.append(f"{key}={max(vals):.3g}" if key != "prefetch_hits" else f"{key}={int(min(vals))}")
+        for report in (comm, rec.get("memory_report") or []):
+            extras += [r["error"] for r in report if isinstance(r, dict) and "error" in r][:1]
+        if extras:
+            rec["note"] = " ".join(extras)
+    if floor_s is not None:
+        floor["comm_mb_per_worker_step"] = [0.0]
+
+
+def check_losses(records: dict, spec: BenchSpec) -> list:
+    """Warnings: a row whose loss does not fall; multi-worker rows that disagree on the loss."""
+    warnings = []
+    ok = {k: r for k, r in records.items() if r.get("status") == "ok" and r.get("losses")}
+    for name, rec in ok.items():
+        losses = rec["losses"]
+        if len(losses) >= 2 and not losses[-1] < losses[0]:
+            warnings.append(f"{name}: loss did not decrease ({losses[0]:.4f} -> {losses[-1]:.4f})")
+        if not all(math.isfinite(x) for x in losses):
+            warnings.append(f"{name}: non-finite loss {fmt_losses(losses)}")
+    multi = [k for k in ok if k != "floor"]
+    if multi:
+        ref = "ddp" if "ddp" in multi else multi[0]
+        for name in multi:
+            if name == ref:
+                continue
+            a, b = ok[ref]["losses"], ok[name]["losses"]
+            n = min(len(a), len(b))
+            worst = max((abs(a[i] - b[i]) / max(1.0, abs(a[i])) for i in range(n)), default=0.0)
+            ok[name]["loss_rel_diff_vs_" + ref] = worst
+            if worst > LOSS_RTOL:
+                warnings.append(f"{name}: loss differs from {ref} by {worst:.2e} (relative, > {LOSS_RTOL:g}) "
+                                f"on the same global batches: {fmt_losses(b[:n])} vs {fmt_losses(a[:n])}")
+    # The floor and DDP's rank 0 see the same weights and the same slice at step 0.
+    if "floor" in ok and "ddp" in ok and ok["ddp"].get("rank_losses"):
+        f0, d0 = ok["floor"]["losses"][0], ok["ddp"]["rank_losses"][0][0]
+        if abs(f0 - d0) > LOSS_RTOL * max(1.0, abs(f0)):
+            warnings.append(f"floor: step-0 loss {f0:.6f} != DDP rank 0's {d0:.6f} (same weights and slice)")
+    return warnings
+
+
+# --------------------------------------------------------------------------- output
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def fmt_losses(losses: list) -> str:
+    shown = [f"{x:.4f}" for x in losses] if len(losses) <= 4 else [
+        *(f"{x:.4f}" for x in losses[:2]), "...", f"{losses[-1]:.4f}"]
+    return "[" + ", ".join(shown) + "]"
+
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def table(records: dict) -> str:
+    header = ("row", "s/step", "x floor", "peak RSS MB/worker", "MB comm/worker/step", "note")
+    lines = []
+    for name, rec in records.items():
+        if rec.get("status") == "skipped":
+            continue
+        if rec.get("status") != "ok":
+            lines.append((name, "-", "-", "-", "-", "FAILED: " + rec.get("note", "")[:70]))
+            continue
+        rss = rec.get("peak_rss_mb_per_worker")
+        comm = rec.get("comm_mb_per_worker_step")
+        lines.append((name, fmt(rec["step_s_median"], ".3f"), fmt(rec.get("x_floor"), ".2f"),
+                      fmt(max(rss), ".0f") if rss else "-", fmt(max(comm), ".2f") if comm else "-",
+                      rec.get("note", "")))
+    widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
+    out = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines]
+    return "\n".join(out)
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+           "cpu_count": os.cpu_count(), "loadavg_start": os.getloadavg()}
+    for name in ("ray", "zeroray", "deepspeed"):
+        module = sys.modules.get(name)
+        env[name] = getattr(module, "__version__", "?") if module else None
+    return env
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    spec = make_spec(args)
+    add_import_paths()
+    # Every process this script starts (the spawned ranks, embedded Ray) inherits one thread.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(spec.threads)
+    from gpt import num_params
+
+    from common import gpt_config, limit_threads
+
+    limit_threads(spec.threads)  # the zeroray driver splits batches here; it must not spin up threads
+
+    env = environment()
+    log(f"GPT d_model={spec.d_model} layers={spec.n_layers} heads={spec.n_heads} seq={spec.seq_len} "
+        f"({num_params(gpt_config(spec)) / 1e6:.2f}M params), {spec.num_workers} workers x "
+        f"{spec.batch_per_worker} seqs, {spec.threads} thread/worker, {spec.warmup_steps} warmup + "
+        f"{spec.timed_steps} timed steps; load average {env['loadavg_start'][0]:.2f} on {env['cpu_count']} cores")
+
+    records = run_all(spec, args)
+    derive(records, spec)
+    warnings = check_losses(records, spec)
+    env = {**environment(), "loadavg_start": env["loadavg_start"], "loadavg_end": os.getloadavg()}
+
+    print(table(records))
+    skipped = [f"{k}: {r['note']}" for k, r in records.items() if r.get("status") == "skipped"]
+    ds_skipped = [k for k, r in records.items() if r.get("status") == "skipped" and k.startswith("ds")]
+    if ds_skipped:
+        print(f"note: {','.join(ds_skipped)} skipped, {records[ds_skipped[0]]['note']}")
+    for w in warnings:
+        print(f"WARNING: {w}")
+
+    out = {
+        "spec": spec.as_dict(),
+        "num_params": num_params(gpt_config(spec)),
+        "zr_prefetch": args.zr_prefetch,
+        "environment": env,
+        "rows": records,
+        "skipped": skipped,
+        "warnings": warnings,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    path = os.path.abspath(args.json)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    log(f"wrote {path}")
+    failed = [k for k, r in records.items() if r.get("status") == "failed"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The rows zeroray is measured against: the compute floor, torch DDP, torch FSDP2, DeepSpeed.
+
+Each row runs in fresh spawned processes (one per worker; one for the floor), so every
+process's peak RSS is its own and no row inherits another's threads or allocator state.
+A rank writes its measurements to ``<out_dir>/rank<r>.json``; ``launch`` gathers them.
+All ranks train on their slice of the same global batches (common.global_batches), with
+``torch.manual_seed(seed); GPT(cfg)`` as the initial weights and torch AdamW.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import traceback
+from typing import Callable, List, Optional
+
+from common import (BenchSpec, StepClock, add_import_paths, build_model, current_rss_bytes,
+                    global_batches, limit_threads, peak_rss_bytes, worker_slice)
+from commcount import CommCounter
+
+
+class PeerFailed(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(row: str, spec: BenchSpec, *, nprocs: int, timeout_s: float, extra: Optional[dict] = None) -> List[dict]:
+    """Run ``row`` in ``nprocs`` spawned processes; return each rank's result, rank order."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix=f"zr-bench-{row}-") as out_dir:
+        procs = [ctx.Process(target=_rank_main, args=(row, rank, nprocs, port, spec, extra or {}, out_dir),
+                             name=f"bench-{row}-{rank}") for rank in range(nprocs)]
+        for p in procs:
+            p.start()
+        _wait(procs, out_dir, timeout_s)
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:  # only the processes this function started
+            p.kill()
+            p.join()
+        results = []
+        for rank in range(nprocs):
+            path = os.path.join(out_dir, f"rank{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    results.append(json.load(f))
+        errors = [r["error"] for r in results if "error" in r]
+        if errors:
+            raise PeerFailed(errors[0])
+        dead = [rank for rank, p in enumerate(procs) if p not in hung and not os.path.exists(
+            os.path.join(out_dir, f"rank{rank}.json"))]
+        if dead:
+            raise PeerFailed(f"rank(s) {dead} died without a result, exit codes {[procs[r].exitcode for r in dead]}")
+        if hung:
+            raise PeerFailed(f"timed out after {timeout_s:.0f}s (raise --timeout)")
+        return results
+
+
+def _wait(procs: list, out_dir: str, timeout_s: float, grace_s: float = 15.0) -> None:
+    """Until all ranks exit, the timeout passes, or one rank failed ``grace_s`` ago.
+
+    A rank that fails leaves its peers blocked in a collective for gloo's own timeout
+    (30 minutes); after the grace period they are abandoned (and killed by the caller).
+    """
+    deadline = time.monotonic() + timeout_s
+    failed_at = None
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(_failed(p, rank, out_dir) for rank, p in enumerate(procs)):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            return
+        time.sleep(0.2)
+
+
+def _failed(proc, rank: int, out_dir: str) -> bool:
+    if proc.is_alive():
+        return False
+    if proc.exitcode != 0:
+        return True
+    try:
+        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+            return "error" in json.load(f)
+    except (OSError, ValueError):
+        return True
+
+
+def _rank_main(row: str, rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict, out_dir: str) -> None:
+    add_import_paths()
+    limit_threads(spec.threads)
+    try:
+        result = _ROWS[row](rank, world_size, port, spec, extra)
+    except BaseException as e:  # reported to the parent, which prints it and goes on
+        result = {"error": f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=-4)}"}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def _train(model, optimizer, spec: BenchSpec, rank: int, *, step_fn: Optional[Callable] = None,
+           counter: Optional[CommCounter] = None) -> dict:
+    """The timed loop every peer shares. ``step_fn(batch) -> loss`` defaults to plain torch."""
+    from gpt import gpt_loss
+
+    def torch_step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss = gpt_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    step_fn = step_fn or torch_step
+    clock, losses, comm = StepClock(spec.warmup_steps), [], None
+    for batch in global_batches(spec):
+        batch = worker_slice(batch, rank, spec)
+        if counter is not None:
+            counter.reset()
+        clock.start()
+        loss = step_fn(batch).detach().item()  # .item(): the step's work is done when we stop the clock
+        clock.stop()
+        losses.append(loss)
+        if counter is not None:
+            comm = counter.report()  # the last step's, like zr.Trainer.comm_report()
+    return {"step_s": clock.times, "cpu_s": clock.cpu_times, "losses": losses, "peak_rss_bytes": peak_rss_bytes(), "comm": comm}
+
+
+def _init_group(rank: int, world_size: int, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+
+
+def _adamw(params, spec: BenchSpec):
+    import torch
+
+    return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+
+
+def run_floor(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict) -> dict:
+    """One process, one worker's batch (rank 0's slice), no communication at all."""
+    base_rss = current_rss_bytes()
+    model = build_model(spec)
+    out = _train(model, _adamw(model.parameters(), spec), spec, rank=0)
+    return {**out, "base_rss_bytes": base_rss}
+
+
+def run_ddp(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    counter = CommCounter().install()
+    _init_group(rank, world_size, port)
+    base_rss = current_rss_bytes()
+    # No buffer sync before each forward: the only buffer (positions) never changes, and zeroray
+    # does not re-send it either. (torch >= 2.13 renamed broadcast_buffers to forward_sync_buffers.)
+    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+               else {"broadcast_buffers": False})
+    model = DDP(build_model(spec), **no_sync)
+
+    def counting_allreduce_hook(_state, bucket):
+        # DDP's default allreduce_hook, routed through dist.all_reduce so the counter sees it.
+        buf = bucket.buffer().div_(world_size)
+        return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    model.register_comm_hook(None, counting_allreduce_hook)
+    try:
+        out = _train(model, _adamw(model.parameters(), spec), spec, rank, counter=counter)
+    finally:
+        dist.destroy_process_group()
+    return {**out, "base_rss_bytes": base_rss}
+
+
+def run_fsdp2(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    counter = CommCounter().install()
+    _init_group(rank, world_size, port)
+    base_rss = current_rss_bytes()
+    model = build_model(spec)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    try:
+        out = _train(model, _adamw(model.parameters(), spec), spec, rank, counter=counter)
+    finally:
+        dist.destroy_process_group()
+    return {**out, "base_rss_bytes": base_rss}
+
+
+def run_deepspeed(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict) -> dict:
+    """DeepSpeed ZeRO ``extra['stage']`` on CPU: gloo, fp32, torch AdamW as client optimizer."""
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    # Before deepspeed binds torch.distributed functions into its comm backend.
+    counter = CommCounter().install()
+    import deepspeed
+    import torch.distributed as dist
+    from gpt import gpt_loss
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    base_rss = current_rss_bytes()
+    model = build_model(spec)
+    config = {
+        "train_micro_batch_size_per_gpu": spec.batch_per_worker,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": extra["stage"]},
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_adamw(model.parameters(), spec), config=config)
+
+    def ds_step(batch):
+        loss = gpt_loss(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    try:
+        out = _train(engine, None, spec, rank, step_fn=ds_step, counter=counter)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return {**out, "base_rss_bytes": base_rss}
+
+
+_ROWS = {"floor": run_floor, "ddp": run_ddp, "fsdp2": run_fsdp2, "ds": run_deepspeed}
+
+
+def deepspeed_available() -> Optional[str]:
+    """None when ``import deepspeed`` works, else why not (checked in a child: it is slow)."""
+    import subprocess
+    import sys
+
+    probe = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True, text=True,
+                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    if probe.returncode == 0:
+        return None
+    lines = (probe.stderr or "").strip().splitlines()
+    return lines[-1] if lines else f"import deepspeed exited {probe.returncode}"

@@ -1,0 +1,115 @@
+"""The zeroray rows: stages 0-3 through the public API only (DESIGN.md §2).
+
+Everything here goes through ``zr.Trainer``; each stage gets a fresh trainer on the same
+global batches as the torch peers. The reports are read defensively: a key the runtime does
+not (yet) provide leaves a blank in the table instead of failing the benchmark.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, List, Optional
+
+from common import EXAMPLES, BenchSpec, StepClock, add_import_paths, global_batches, gpt_config
+
+
+class ZeroraySession:
+    """Imports zeroray once, runs stages, and shuts down the Ray it caused to start (only that)."""
+
+    def __init__(self) -> None:
+        add_import_paths()
+        # Ray ships the driver's sys.path to local workers; PYTHONPATH covers workers started
+        # by a raylet that inherited this environment. Both make `import gpt` work in actors.
+        paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if EXAMPLES not in paths:
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [EXAMPLES, *paths] if p)
+        import ray
+
+        import zeroray as zr
+
+        self.zr, self.ray = zr, ray
+        self._ray_was_up = ray.is_initialized()
+        if self._ray_was_up or os.environ.get("RAY_ADDRESS"):
+            _pickle_examples_by_value()  # a remote cluster's workers have no examples/ on disk
+
+    def run(self, stage: int, spec: BenchSpec, *, prefetch: bool) -> dict:
+        import gpt
+
+        zr = self.zr
+        trainer = zr.Trainer(
+            functools.partial(gpt.GPT, gpt_config(spec)),
+            gpt.gpt_loss,
+            optimizer=zr.AdamW(lr=spec.lr, weight_decay=spec.weight_decay),
+            zero=zr.ZeroConfig(stage=stage, prefetch=prefetch),
+            scaling=zr.ScalingConfig(num_workers=spec.num_workers, threads_per_worker=spec.threads),
+            seed=spec.seed,
+        )
+        try:
+            clock, losses = StepClock(spec.warmup_steps), []
+            for batch in global_batches(spec):
+                clock.start()
+                result = trainer.step(batch)
+                loss = float(result.loss)
+                clock.stop()
+                losses.append(loss)
+            comm = _per_worker(_call(trainer, "comm_report"))
+            memory = _per_worker(_call(trainer, "memory_report"))
+        finally:
+            trainer.shutdown()
+        return {
+            "step_s": clock.times,
+            "losses": losses,
+            "comm": comm,
+            "peak_rss_bytes": [_num(m, "peak_rss_bytes") for m in memory] if memory else None,
+            "memory_report": memory,
+        }
+
+    def close(self) -> None:
+        if not self._ray_was_up and self.ray.is_initialized():
+            self.ray.shutdown()  # the embedded local Ray that zr.Trainer started for us
+
+
+def _pickle_examples_by_value() -> None:
+    import gpt
+
+    for name in ("cloudpickle", "ray.cloudpickle"):
+        try:
+            module = __import__(name, fromlist=["register_pickle_by_value"])
+            module.register_pickle_by_value(gpt)
+        except (ImportError, AttributeError, ValueError):
+            pass
+
+
+def _call(trainer, method: str) -> Any:
+    fn = getattr(trainer, method, None)
+    if fn is None:
+        return None
+    try:
+        return fn()
+    except Exception as e:  # a report is a nice-to-have; the step times still stand
+        return {"error": f"{method}() raised {type(e).__name__}: {e}"}
+
+
+def _per_worker(report: Any) -> Optional[List[dict]]:
+    """Normalise a report to one dict per worker (a list, a {rank: dict}, or one dict)."""
+    if report is None:
+        return None
+    if isinstance(report, dict):
+        if "error" in report and len(report) == 1:
+            return [report]
+        if report and all(isinstance(v, dict) for v in report.values()) and "collectives" not in report:
+            return [report[k] for k in sorted(report, key=str)]
+        return [report]
+    if isinstance(report, (list, tuple)):
+        return [r if isinstance(r, dict) else {"value": r} for r in report]
+    return [{"value": report}]
+
+
+def _num(d: Any, key: str) -> Optional[float]:
+    if not isinstance(d, dict):
+        return None
+    v = d.get(key)
+    try:
+        return float(v) if v is not None else None
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,207 @@
+"""End to end: examples/train_gpt.py submitted as a Ray job to a three-node cluster.
+
+The cluster is cluster/local-cluster.sh (a head and two worker nodes on this machine,
+token authentication on), started in a temp dir of its own and on free ports, so it
+neither touches nor is touched by another Ray instance here (a test's embedded Ray,
+someone else's cluster). The job runs stage 3 with two workers placed SPREAD, and its
+log must show the two workers on two different nodes.
+
+Everything is driven through subprocesses, never through the Ray client in this
+process: the job client's token and RAY_AUTH_MODE would otherwise leak into the Ray
+state of other tests in the same pytest session.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_SCRIPT = REPO_ROOT / "cluster" / "local-cluster.sh"
+
+# The working dir travels to every node; .gitignore is honoured, .git is not skipped
+# unless excluded.
+EXCLUDES = [".git", ".pytest_cache", ".benchmarks", "ckpts", "runs", "**/__pycache__"]
+TRAIN_ARGS = [
+    "--num-workers", "2", "--steps", "3", "--placement-strategy", "SPREAD", "--stage", "3",
+    "--d-model", "64", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
+]
+# The line examples/train_gpt.py prints per worker: `worker {rank} on node {node_id_hex} ({ip})`.
+WORKER_LINE = re.compile(r"worker (\d+) on node ([0-9a-f]+) \(([^)\s]*)\)")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+NODE_ID = re.compile(r"^([0-9a-f]{56}) ", re.MULTILINE)
+
+UP_TIMEOUT_S = 240
+JOB_TIMEOUT_S = 240
+DOWN_TIMEOUT_S = 90
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local-cluster.sh needs Linux"),
+    pytest.mark.skipif(shutil.which("setsid") is None, reason="local-cluster.sh needs setsid"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cluster_env(cluster_dir: str, head_port: int, dashboard_port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    # Whatever Ray this pytest session points at is not the cluster under test.
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(name, None)
+    bin_dir = str(Path(sys.executable).parent)
+    env.update(
+        ZR_CLUSTER_DIR=cluster_dir,
+        ZR_HEAD_PORT=str(head_port),
+        ZR_DASHBOARD_PORT=str(dashboard_port),
+        ZR_UP_TIMEOUT=str(UP_TIMEOUT_S - 30),
+        PYTHON=sys.executable,
+        PATH=bin_dir + os.pathsep + env.get("PATH", ""),
+    )
+    return env
+
+
+def _client_env(cluster_env: dict[str, str], cluster_dir: str) -> dict[str, str]:
+    """What `ray job ...` needs: the cluster's token (see [Note: token auth] in the script)."""
+    return dict(cluster_env, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=f"{cluster_dir}/auth_token")
+
+
+def _cluster(cmd: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(CLUSTER_SCRIPT), cmd],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _ray_cli(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    ray_bin = shutil.which("ray", path=env["PATH"])
+    assert ray_bin, "the `ray` command is not on PATH"
+    return subprocess.run(
+        [ray_bin, *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _recorded_pgids(cluster_dir: str) -> list[int]:
+    return [int(p.read_text()) for p in sorted(Path(cluster_dir, "pgid").glob("*.pgid"))]
+
+
+def _live_members(pgids: list[int], cluster_dir: str) -> list[str]:
+    """Processes still alive from the cluster: in a recorded process group, or carrying
+    the script's ZR_CLUSTER_DIR marker in their environment (Ray workers and job drivers
+    leave the node's process group)."""
+    marker = f"ZR_CLUSTER_DIR={cluster_dir}".encode()
+    left = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            # Fields after the ")" that ends the command name: state ppid pgrp ...
+            state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+            if state == "Z":
+                continue
+            in_group = int(pgrp) in pgids
+            marked = marker in (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+        if in_group or marked:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:120]
+            left.append(f"{proc.name}: {cmdline.decode(errors='replace')}")
+    return left
+
+
+def _diagnostics(cluster_dir: str) -> str:
+    out = []
+    for log in sorted(Path(cluster_dir, "logs").glob("*.log")):
+        out.append(f"--- {log.name} (tail) ---\n" + "\n".join(log.read_text().splitlines()[-20:]))
+    return "\n".join(out)
+
+
+def test_train_gpt_job_spreads_workers_over_nodes():
+    # Short path on purpose: Ray's unix socket paths live under it (107-byte limit).
+    cluster_dir = tempfile.mkdtemp(prefix="zr-e2e-", dir="/tmp")
+    head_port, dashboard_port = _free_port(), _free_port()
+    while dashboard_port == head_port:
+        dashboard_port = _free_port()
+    env = _cluster_env(cluster_dir, head_port, dashboard_port)
+    client_env = _client_env(env, cluster_dir)
+    address = f"http://127.0.0.1:{dashboard_port}"
+    submission_id = f"zr-e2e-{uuid.uuid4().hex[:8]}"
+    pgids: list[int] = []
+    started = time.monotonic()
+    try:
+        up = _cluster("up", env, timeout=UP_TIMEOUT_S)
+        pgids = _recorded_pgids(cluster_dir)
+        assert up.returncode == 0, f"up failed:\n{up.stdout}\n{up.stderr}\n{_diagnostics(cluster_dir)}"
+        assert len(pgids) == 3, pgids
+        assert address in up.stdout and "ray job submit" in up.stdout, up.stdout
+        up_s = time.monotonic() - started
+
+        status = _cluster("status", env, timeout=60)
+        assert status.returncode == 0, status.stdout + status.stderr
+        node_ids = set(NODE_ID.findall(status.stdout))
+        assert len(node_ids) == 3, status.stdout
+
+        submit = _ray_cli(
+            [
+                "job", "submit",
+                "--address", address,
+                "--submission-id", submission_id,
+                "--working-dir", str(REPO_ROOT),
+                "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
+                "--", "python", "examples/train_gpt.py", *TRAIN_ARGS,
+            ],
+            client_env,
+            timeout=JOB_TIMEOUT_S,
+        )
+        job_status = _ray_cli(["job", "status", "--address", address, submission_id], client_env, 60)
+        logs = _ray_cli(["job", "logs", "--address", address, submission_id], client_env, 60)
+        report = (
+            f"submit rc={submit.returncode}\n{submit.stdout[-4000:]}\n{submit.stderr[-4000:]}\n"
+            f"status: {job_status.stdout}{job_status.stderr}\nlogs:\n{logs.stdout[-6000:]}"
+        )
+        assert submit.returncode == 0, report
+        assert "succeeded" in ANSI.sub("", job_status.stdout).lower(), report
+
+        workers = {int(rank): node for rank, node, _ip in WORKER_LINE.findall(logs.stdout)}
+        assert set(workers) == {0, 1}, report
+        assert workers[0] != workers[1], f"SPREAD put both workers on node {workers[0]}\n{report}"
+        assert {workers[0], workers[1]} <= node_ids, (workers, node_ids)
+        print(f"cluster up in {up_s:.0f}s, job done at {time.monotonic() - started:.0f}s")
+    except subprocess.TimeoutExpired:
+        _ray_cli(["job", "stop", "--address", address, submission_id], client_env, 60)
+        raise
+    finally:
+        down = _cluster("down", env, timeout=DOWN_TIMEOUT_S)
+        pgids = pgids or _recorded_pgids(cluster_dir)
+        left = _live_members(pgids, cluster_dir)
+        if left:  # do not leave them running for the next test, then fail
+            for pgid in pgids:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except OSError:
+                    pass
+            for entry in left:
+                try:
+                    os.kill(int(entry.split(":", 1)[0]), signal.SIGKILL)
+                except OSError:
+                    pass
+        else:
+            shutil.rmtree(cluster_dir, ignore_errors=True)
+        assert down.returncode == 0, f"down failed:\n{down.stdout}\n{down.stderr}"
+        assert not left, "processes left after down:\n" + "\n".join(left)

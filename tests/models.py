@@ -1,0 +1,98 @@
+"""Models and data shared by the parity tests: every awkward case the engine must handle.
+
+ParityNet has tied weights (embedding shared with the output layer), a module called twice
+in one forward, a frozen parameter, a registered buffer, and parameter sizes that do not
+divide by 2, 3 or 4 workers.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, DIM, SEQ = 13, 7, 5
+
+
+class ParityNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.shared = nn.Linear(DIM, DIM)            # called twice per forward
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.weight.requires_grad_(False)     # frozen weight, trainable bias
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight           # tied
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = torch.tanh(self.shared(x))
+        x = torch.tanh(self.shared(x)) * self.scale + x
+        x = self.frozen(x)
+        return self.head(self.norm(x))
+
+
+class BranchNet(ParityNet):
+    """A data-dependent branch: every other forward takes an extra module (same on all ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(DIM, DIM)
+        self.calls = 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = torch.tanh(self.shared(self.emb(idx)))
+        if self.calls % 3 == 0:
+            x = x + torch.tanh(self.extra(x))
+        return self.head(self.norm(self.frozen(x)))
+
+
+def parity_model() -> nn.Module:
+    return ParityNet()
+
+
+def branch_model() -> nn.Module:
+    return BranchNet()
+
+
+def lm_loss(model: nn.Module, batch) -> torch.Tensor:
+    idx, tgt = batch
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), tgt.reshape(-1))
+
+
+def make_batches(steps: int, batch: int = 12, seed: int = 123):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        idx = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+        tgt = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+        out.append((idx, tgt))
+    return out
+
+
+def reference_run(model_fn, loss_fn, make_optimizer, batches, seed=0, max_grad_norm=None, scheduler=None,
+                  accum=1):
+    """Plain single-process PyTorch training on the same global batches."""
+    torch.manual_seed(seed)
+    model = model_fn()
+    opt = make_optimizer(model)
+    sched = scheduler(opt) if scheduler else None
+    losses, norms = [], []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        n = batch[0].shape[0] // accum
+        total = 0.0
+        for i in range(accum):
+            mb = tuple(t[i * n:(i + 1) * n] for t in batch)
+            loss = loss_fn(model, mb)
+            (loss / accum).backward()
+            total += loss.item() / accum
+        params = [p for p in model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+        norms.append(float(norm))
+        opt.step()
+        if sched:
+            sched.step()
+        losses.append(total)
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,218 @@
+"""The manifest: the JSON file that makes a step directory a complete checkpoint.
+
+A checkpoint is ``<root>/step_<step:08d>/`` holding one ``shard_<rank:05d>.safetensors`` per
+rank, optionally ``extra.safetensors`` (full frozen parameters and buffers, saved once), and
+``manifest.json``, written last: its presence is what marks the directory complete (see
+store.py). The manifest records everything needed to read the shards back at any world size:
+the flat layout (world-size independent, see [Note: flat layout] in arena.py), the world size
+it was saved at, which tensor keys are sharded, each file's size and sha256, and the small
+per-rank ``scalars`` (step counts, loss-scaler state, RNG states).
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from zeroray.arena import FlatLayout
+from zeroray.checkpoint.errors import CheckpointError
+
+FORMAT = "zeroray.checkpoint"
+VERSION = 1
+MANIFEST_NAME = "manifest.json"
+EXTRA_NAME = "extra.safetensors"
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def shard_name(rank: int) -> str:
+    return f"shard_{rank:05d}.safetensors"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+def parse_step_dir(name: str) -> Optional[int]:
+    """The step of a ``step_<step:08d>`` directory name, None for anything else."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _where(source: Optional[str]) -> str:
+    if not source:
+        return MANIFEST_NAME
+    return source if source.endswith(MANIFEST_NAME) else f"{source.rstrip('/')}/{MANIFEST_NAME}"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a writer reports to the driver about one file it wrote (picklable, small).
+
+    file: name inside the step directory; bytes, sha256: of the whole file; rank: the writer's
+    rank (None for the extra file); tensors: (key, dtype code, shape) of every tensor in it;
+    scalars: the rank's JSON-able scalars (shards only)."""
+
+    file: str
+    bytes: int
+    sha256: str
+    rank: Optional[int] = None
+    kind: str = "shard"  # "shard" | "extra"
+    tensors: Tuple[Tuple[str, str, Tuple[int, ...]], ...] = ()
+    scalars: Optional[Dict[str, Any]] = None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    file: str
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """The contents of ``manifest.json``; ``source`` (the step directory it was read from, for
+    loaders and messages) is not serialized."""
+
+    step: int
+    world_size: int
+    layout: Dict[str, Any]                 # FlatLayout.to_dict()
+    shards: List[FileEntry]                # index = rank
+    scalars: List[Dict[str, Any]]          # index = rank
+    tensors: Dict[str, Dict[str, Any]]     # key -> {"dtype": code, "sharded": bool, "shape": [...]}
+    config: Dict[str, Any] = field(default_factory=dict)
+    data_position: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+    extra_tensors: Optional[FileEntry] = None
+    extra_keys: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # name -> {"dtype", "shape"}
+    created: float = field(default_factory=time.time)
+    version: int = VERSION
+    source: Optional[str] = field(default=None, compare=False)
+
+    # --- derived -------------------------------------------------------------------------
+
+    def flat_layout(self) -> FlatLayout:
+        return FlatLayout.from_dict(self.layout, self.world_size)
+
+    @property
+    def sharded_keys(self) -> List[str]:
+        return [k for k, v in self.tensors.items() if v["sharded"]]
+
+    @property
+    def rank_keys(self) -> List[str]:
+        """Per-rank tensors that are not sharded (taken from one source rank when resharding)."""
+        return [k for k, v in self.tensors.items() if not v["sharded"]]
+
+    def files(self) -> List[FileEntry]:
+        return list(self.shards) + ([self.extra_tensors] if self.extra_tensors else [])
+
+    # --- (de)serialization -----------------------------------------------------------------
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d.pop("source")
+        return {"format": FORMAT, **d}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: Optional[str] = None) -> "Manifest":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{_where(source)}: not valid JSON ({e}); the manifest is damaged, "
+                                  "load an older checkpoint") from e
+        return cls.from_dict(d, source)
+
+    @classmethod
+    def from_dict(cls, d: Any, source: Optional[str] = None) -> "Manifest":
+        """``source``: the step directory (or manifest path) it came from, for messages."""
+
+        def bad(what: str) -> CheckpointError:
+            return CheckpointError(f"{_where(source)}: {what}; the manifest is damaged or not a zeroray "
+                                   "checkpoint manifest")
+
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise bad(f"missing \"format\": \"{FORMAT}\"")
+        if d.get("version") != VERSION:
+            raise CheckpointError(f"{_where(source)}: checkpoint format version {d.get('version')!r} is not "
+                                  f"supported (this zeroray reads version {VERSION}); use a matching "
+                                  "zeroray release")
+        for key, types in (("step", int), ("world_size", int), ("layout", dict), ("shards", list),
+                           ("scalars", list), ("tensors", dict), ("config", dict),
+                           ("data_position", int), ("extra", dict), ("extra_keys", dict)):
+            if key not in d:
+                raise bad(f"field {key!r} is missing")
+            if not isinstance(d[key], types) or isinstance(d[key], bool):
+                raise bad(f"field {key!r} must be {types.__name__}, got {type(d[key]).__name__}")
+        try:
+            shards = [FileEntry(**e) for e in d["shards"]]
+            extra_tensors = FileEntry(**d["extra_tensors"]) if d.get("extra_tensors") else None
+        except TypeError as e:
+            raise bad(f"a file entry is malformed ({e})") from e
+        m = cls(step=d["step"], world_size=d["world_size"], layout=d["layout"], shards=shards,
+                scalars=d["scalars"], tensors=d["tensors"], config=d["config"],
+                data_position=d["data_position"], extra=d["extra"], extra_tensors=extra_tensors,
+                extra_keys=d["extra_keys"], created=float(d.get("created", 0.0)),
+                version=d["version"], source=source)
+        m.validate()
+        return m
+
+    def validate(self) -> None:
+        """Internal consistency; raises CheckpointError saying which field is wrong."""
+        where = _where(self.source)
+
+        def bad(what: str) -> CheckpointError:
+            return CheckpointError(f"{where}: {what}")
+
+        if self.step < 0:
+            raise bad(f"step must be >= 0, got {self.step}")
+        if self.world_size < 1:
+            raise bad(f"world_size must be >= 1, got {self.world_size}")
+        if len(self.shards) != self.world_size or len(self.scalars) != self.world_size:
+            raise bad(f"world_size is {self.world_size} but there are {len(self.shards)} shard "
+                      f"entries and {len(self.scalars)} scalar entries; the manifest is damaged")
+        for e in self.files():
+            if not isinstance(e.file, str) or not _FILE_NAME.match(e.file):
+                raise bad(f"file name {e.file!r} is invalid (must be a plain name inside the step directory)")
+            if not isinstance(e.bytes, int) or e.bytes < 0 or not isinstance(e.sha256, str) or len(e.sha256) != 64:
+                raise bad(f"file entry {e} needs an integer byte size and a sha256 hex digest")
+        try:
+            layout = self.flat_layout()
+        except Exception as e:
+            raise bad(f"the layout cannot be read ({e!r})") from e
+        if not any(v.get("sharded") for v in self.tensors.values()) or "master" not in self.tensors:
+            raise bad(f"no sharded \"master\" tensor is listed (tensors: {sorted(self.tensors)})")
+        for key, v in self.tensors.items():
+            if v.get("sharded") and list(v.get("shape", [])) != [layout.shard_numel]:
+                raise bad(f"sharded tensor {key!r} has shape {v.get('shape')}, expected "
+                          f"[{layout.shard_numel}] for the recorded layout")
+
+
+# --- I/O ---------------------------------------------------------------------------------------
+
+
+def write_manifest(storage, step_dir: str, manifest: Manifest) -> None:
+    """Write ``manifest.json`` atomically ([Note: atomic writes]): it is the commit point."""
+    manifest.validate()
+    storage.write_bytes(storage.join(step_dir, MANIFEST_NAME), manifest.to_json().encode())
+
+
+def read_manifest(storage, step_dir: str) -> Manifest:
+    path = storage.join(step_dir, MANIFEST_NAME)
+    where = storage.display(path)
+    if storage.entry(path) is None:
+        raise CheckpointError(f"{where} does not exist: {storage.display(step_dir)} is not a complete "
+                              "checkpoint (an interrupted save leaves no manifest); load another step")
+    try:
+        text = storage.read_bytes(path).decode()
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{where}: not UTF-8 text; the manifest is damaged") from e
+    m = Manifest.from_json(text, source=storage.display(step_dir))
+    m._location = (storage, step_dir)  # how loaders reach the files (keeps URI options)
+    return m

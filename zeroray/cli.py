@@ -1,0 +1,233 @@
+"""The ``zeroray`` command: ``estimate`` (the paper's memory model), ``inspect`` and
+``consolidate`` (checkpoint tools, implemented in zeroray.checkpoint).
+
+Every subcommand returns an exit status: 0 on success, 2 for bad arguments, with the
+reason on stderr. Importing this module imports neither torch nor ray, so ``zeroray
+estimate --params ...`` answers instantly.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Callable, List, Optional, Sequence
+
+from zeroray import memory
+
+GB = 1e9  # the paper's GB
+_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+class _UsageError(Exception):
+    """A bad argument found after parsing; reported like an argparse error (exit 2)."""
+
+
+# --- argument types ----------------------------------------------------------------------------
+
+
+def _param_count(text: str) -> float:
+    """7.5e9, 7500000000, 7.5B, 350M, 1.2T."""
+    body, scale = text.strip(), 1.0
+    if body and body[-1].lower() in _SUFFIXES:
+        body, scale = body[:-1], _SUFFIXES[body[-1].lower()]
+    try:
+        value = float(body) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count: write e.g. 7.5e9 or 7.5B")
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count: it must be > 0")
+    return value
+
+
+def _worker_list(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of worker counts: write e.g. 1,4,16,64")
+    return values
+
+
+def _optimizer(text: str):
+    if text.isdigit():
+        return int(text)
+    if text.lower() not in memory.OPTIMIZER_STATE_FLOATS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an optimizer: choose one of {', '.join(memory.OPTIMIZER_STATE_FLOATS)} "
+            "or give the fp32 state values per parameter as an integer")
+    return text.lower()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: it must be an integer >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: it must be a number > 0")
+    return value
+
+
+# --- formatting --------------------------------------------------------------------------------
+
+
+def _fmt(value: float) -> str:
+    # One decimal like the paper; small values keep three significant digits instead of "0.0".
+    return f"{value:.1f}" if value >= 1 or value == 0 else f"{value:.3g}"
+
+
+def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    cells = [list(columns)] + [list(r) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = [title] + ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+# --- estimate ----------------------------------------------------------------------------------
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    # Check everything before printing, so a bad call prints no half report.
+    shape = {"layers": args.layers, "hidden": args.hidden, "seq_len": args.seq_len, "batch": args.batch}
+    want_activations = any(v is not None for v in shape.values()) or args.heads is not None
+    missing = [f"--{k.replace('_', '-')}" for k, v in shape.items() if v is None]
+    if want_activations and missing:
+        raise _UsageError(f"activation memory needs --layers, --hidden, --seq-len and --batch; "
+                          f"missing {', '.join(missing)}")
+    if args.model is not None:
+        # Console scripts do not put the working directory on sys.path; `python -m` does.
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        num_params = memory.count_params(args.model)
+        source = f"{args.model}: {num_params:,} params"
+    else:
+        num_params = int(round(args.params))
+        source = f"{num_params / 1e9:.3g}B params"
+    stages = memory.STAGES
+    k = memory.optimizer_state_bytes_per_param(args.optimizer, args.dtype)
+    precision = "fp32" if args.dtype == "fp32" else f"{args.dtype} mixed precision"
+    header = ["workers"] + [f"stage {s}" for s in stages]
+    rows = [[str(n)] + [_fmt(memory.estimate_memory(num_params, n, s, args.dtype, args.optimizer,
+                                                    args.grad_dtype) / GB) for s in stages]
+            for n in args.workers]
+    print(_table(f"Model states per worker, GB ({source}, {precision}, optimizer {args.optimizer}, "
+                 f"K={k})", header, rows))
+    if args.memory_gb is not None:
+        rows = [[str(n)] + [_fmt(memory.max_params_that_fit(args.memory_gb * GB, n, s, args.dtype,
+                                                            args.optimizer, args.grad_dtype) / 1e9)
+                            for s in stages] for n in args.workers]
+        print()
+        print(_table(f"Largest model that fits in {args.memory_gb:g} GB per worker, billions of params "
+                     "(model states only)", header, rows))
+    if want_activations:
+        print()
+        print(_activation_table(args, shape))
+    return 0
+
+
+def _activation_table(args: argparse.Namespace, shape: dict) -> str:
+    def gb(**kw) -> str:
+        return _fmt(memory.activation_bytes(**shape, heads=args.heads, dtype=args.dtype, **kw) / GB)
+
+    full, ckpt, offload = gb(), gb(checkpointing=True), gb(checkpointing=True, offload=True)
+    rows = [[str(n), full, ckpt, gb(checkpointing=True, partitioned_over=n), offload]
+            for n in args.workers]
+    attention = "" if args.heads is not None else "; no --heads: attention scores not stored"
+    return _table(f"Activation memory per worker, GB (micro-batch {args.batch} per worker, "
+                  f"seq {args.seq_len}{attention})",
+                  ["workers", "none", "checkpointed", "partitioned", "offloaded"], rows)
+
+
+# --- checkpoint tools (zeroray.checkpoint) -----------------------------------------------------
+
+
+def _checkpoint_tool(name: str) -> Optional[Callable[..., int]]:
+    try:
+        # Imported on use: the checkpoint package pulls in torch and safetensors.
+        return getattr(importlib.import_module("zeroray.checkpoint"), name)
+    except (ImportError, AttributeError) as e:
+        print(f"zeroray: the checkpoint tools are not available in this installation "
+              f"(zeroray.checkpoint.{name}: {e})", file=sys.stderr)
+        return None
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    tool = _checkpoint_tool("cli_inspect")
+    return 2 if tool is None else int(tool(args.ckpt))
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    tool = _checkpoint_tool("cli_consolidate")
+    return 2 if tool is None else int(tool(args.ckpt, args.out))
+
+
+# --- entry point -------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zeroray", description="ZeRO sharded training on Ray: tools.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    est = sub.add_parser("estimate", help="model-state and activation memory per worker (ZeRO paper)",
+                         description="Bytes per worker of parameters, gradients and optimizer state "
+                                     "for ZeRO stages 0-3 (1 GB = 1e9 bytes, as in the paper).")
+    what = est.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=_param_count, help="number of parameters, e.g. 7.5e9 or 7.5B")
+    what.add_argument("--model", metavar="MODULE:FUNCTION",
+                      help="count the parameters of the model this zero-argument function builds")
+    est.add_argument("--workers", type=_worker_list, default=[1, 4, 16, 64],
+                     help="comma-separated worker counts (default 1,4,16,64)")
+    est.add_argument("--dtype", choices=tuple(memory.DTYPE_BYTES), default="fp16",
+                     help="fp16/bf16: mixed precision with fp32 master weights; fp32: plain fp32")
+    est.add_argument("--grad-dtype", choices=tuple(memory.DTYPE_BYTES), default=None,
+                     help="gradient dtype when it differs from --dtype")
+    est.add_argument("--optimizer", type=_optimizer, default="adam",
+                     help="adam, adamw, sgd, sgd_momentum, or fp32 state values per parameter")
+    est.add_argument("--memory-gb", type=_positive_float, default=None,
+                     help="also show the largest model whose model states fit in this many GB")
+    act = est.add_argument_group("activations (all four of --layers, --hidden, --seq-len, --batch)")
+    act.add_argument("--layers", type=_positive_int)
+    act.add_argument("--hidden", type=_positive_int)
+    act.add_argument("--seq-len", type=_positive_int)
+    act.add_argument("--batch", type=_positive_int, help="micro-batch per worker")
+    act.add_argument("--heads", type=_positive_int, help="attention heads (omit for flash attention)")
+    est.set_defaults(handler=_estimate)
+
+    ins = sub.add_parser("inspect", help="summarize a sharded checkpoint")
+    ins.add_argument("ckpt", metavar="CKPT")
+    ins.set_defaults(handler=_inspect)
+
+    con = sub.add_parser("consolidate", help="write a sharded checkpoint as one full state dict")
+    con.add_argument("ckpt", metavar="CKPT")
+    con.add_argument("out", metavar="OUT")
+    con.set_defaults(handler=_consolidate)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed usage and the error (or --help)
+        return e.code if isinstance(e.code, int) else 0
+    try:
+        return args.handler(args)
+    except (_UsageError, ValueError) as e:
+        print(f"zeroray {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

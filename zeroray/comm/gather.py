@@ -1,0 +1,106 @@
+"""All-gather of units' parameters from their shards, coalescing small units (C_B).
+
+A group of units is gathered with one collective. One unit gathers straight into its full
+buffer. Several units whose slices are adjacent in the local shard (consecutive in layout
+order, the common case) send that slice of the shard as is; the result, an (W, columns)
+matrix in a staging buffer, is copied out into each unit's (W, shard_numel) full buffer.
+Staging buffers are bounded by ``bucket_bytes`` and reused.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from zeroray.arena import FlatLayout
+from zeroray.comm.group import Group, Handle
+
+
+class GatherHandle:
+    """An all-gather in flight; ``wait()`` finishes it (copy-out included) exactly once."""
+
+    def __init__(self, units: List[int], handle: Handle, finish: Optional[Callable[[], None]]) -> None:
+        self.units, self._handle, self._finish = units, handle, finish
+
+    def wait(self) -> None:
+        if self._handle is None:
+            return
+        self._handle.wait()
+        self._handle = None
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+
+    @property
+    def done(self) -> bool:
+        return self._handle is None
+
+
+class UnitGatherer:
+    def __init__(self, layout: FlatLayout, group: Group, shard: torch.Tensor, bucket_bytes: int) -> None:
+        self.layout, self.group, self.shard = layout, group, shard  # shard: 1D, compute dtype
+        self.bucket_bytes = bucket_bytes
+        self._free: List[torch.Tensor] = []
+        self.pool_size = 0
+        self._staging_numel = max(bucket_bytes // max(shard.element_size(), 1), 1)
+
+    def coalesce(self, units: Sequence[int]) -> List[List[int]]:
+        """Split units (in issue order) into groups gathered by one collective each."""
+        elem = self.shard.element_size()
+        groups: List[List[int]] = []
+        cur: List[int] = []
+        cur_numel = 0
+        for u in units:
+            n = self.layout.units[u].padded
+            if cur and (cur_numel + n) * elem <= self.bucket_bytes and n * elem < self.bucket_bytes:
+                cur.append(u)
+                cur_numel += n
+            else:
+                if cur:
+                    groups.append(cur)
+                cur, cur_numel = [u], n
+        if cur:
+            groups.append(cur)
+        return groups
+
+    def gather(self, units: List[int], fulls: List[torch.Tensor], async_op: bool = True) -> GatherHandle:
+        """All-gather ``units`` into ``fulls`` (their full buffers, already allocated)."""
+        layout = self.layout
+        if len(units) == 1:
+            u = layout.units[units[0]]
+            inp = self.shard[u.shard_offset:u.shard_offset + u.shard_numel]
+            return GatherHandle(units, self.group.all_gather(fulls[0], inp, async_op=async_op), None)
+        order = sorted(range(len(units)), key=lambda i: units[i])
+        us = [layout.units[units[i]] for i in order]
+        cols = sum(u.shard_numel for u in us)
+        contiguous = all(us[i + 1].index == us[i].index + 1 for i in range(len(us) - 1))
+        if contiguous:
+            inp = self.shard[us[0].shard_offset:us[0].shard_offset + cols]
+        else:
+            inp = torch.cat([self.shard[u.shard_offset:u.shard_offset + u.shard_numel] for u in us])
+        staging = self._acquire(cols * self.group.world_size)
+        out = staging[:cols * self.group.world_size]
+        handle = self.group.all_gather(out, inp, async_op=async_op)
+        W = self.group.world_size
+
+        def finish() -> None:
+            matrix = out.view(W, cols)
+            c = 0
+            with torch.no_grad():
+                for i, u in zip(order, us):
+                    fulls[i].view(W, u.shard_numel).copy_(matrix[:, c:c + u.shard_numel])
+                    c += u.shard_numel
+            self._free.append(staging)
+
+        return GatherHandle(units, handle, finish)
+
+    def _acquire(self, numel: int) -> torch.Tensor:
+        if self._free:
+            buf = self._free.pop()
+            if buf.numel() >= numel:
+                return buf
+        self.pool_size += 1
+        return torch.empty(max(numel, self._staging_numel), dtype=self.shard.dtype, device=self.shard.device)
+
+    def buffer_bytes(self) -> int:
+        return self.pool_size * self._staging_numel * self.shard.element_size()

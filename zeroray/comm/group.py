@@ -1,0 +1,234 @@
+"""The collective group: the four collectives zeroray needs, async handles, byte counters.
+
+A ``Group`` is passed in (never a module-level singleton), so tests hand in another.
+``TorchGroup`` wraps one torch ``ProcessGroup`` object (gloo on CPU, NCCL on GPU) created
+directly from a store, outside ``torch.distributed``'s global world: several groups can
+live in one process, and tearing one down (resize, recovery) touches no global state.
+
+[Note: collective order]
+Gloo and NCCL match collectives across ranks by the order they are issued in. Every rank
+therefore issues the same collectives in the same order: bucket launches follow a static
+plan, prefetches follow a trace that every rank verified to be identical, and nothing is
+issued from a second thread.
+
+[Note: bytes counted]
+``bytes`` is what one rank sends with the ring algorithm: all-gather and reduce-scatter of
+a full tensor of N bytes send N·(W-1)/W, all-reduce sends 2·N·(W-1)/W. That is the unit of
+the paper's "2Φ vs 3Φ" and what DESIGN.md §1 tabulates.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Protocol
+
+import torch
+
+
+class Handle(Protocol):
+    def wait(self) -> None: ...
+
+
+class DoneHandle:
+    """A collective that already finished (world size 1, or a synchronous call)."""
+
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@dataclass
+class CollectiveStats:
+    calls: int = 0
+    bytes: int = 0          # ring bytes sent by this rank, see [Note: bytes counted]
+    payload_bytes: int = 0  # size of the full tensor the collective produces / consumes
+
+
+@dataclass
+class CommCounter:
+    """Per-step communication statistics of one rank."""
+
+    collectives: Dict[str, CollectiveStats] = field(default_factory=dict)
+    wait_s: float = 0.0  # time the compute thread spent blocked in wait() (exposed)
+
+    def add(self, name: str, payload: int, ring: int) -> None:
+        s = self.collectives.setdefault(name, CollectiveStats())
+        s.calls += 1
+        s.bytes += ring
+        s.payload_bytes += payload
+
+    def reset(self) -> None:
+        self.collectives.clear()
+        self.wait_s = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.collectives.values())
+
+    def as_dict(self) -> dict:
+        return {"total_bytes": self.total_bytes,
+                "collectives": {k: vars(v).copy() for k, v in self.collectives.items()},
+                "exposed_s": self.wait_s}
+
+
+class _TimedHandle:
+    """Wraps a torch Work so the time the caller blocks on it is counted as exposed."""
+
+    __slots__ = ("work", "counter")
+
+    def __init__(self, work, counter: CommCounter) -> None:
+        self.work, self.counter = work, counter
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        t0 = time.perf_counter()
+        self.work.wait()
+        self.counter.wait_s += time.perf_counter() - t0
+        self.work = None
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+class Group:
+    """Base: rank, world size, counters. Subclasses implement the collectives."""
+
+    rank: int
+    world_size: int
+    counter: CommCounter
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False) -> Handle:
+        raise NotImplementedError
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False) -> Handle:
+        raise NotImplementedError
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
+        raise NotImplementedError
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1))
+
+    def close(self) -> None:
+        pass
+
+
+class SoloGroup(Group):
+    """World size 1: every collective is a copy (or nothing)."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size, self.counter = 0, 1, CommCounter()
+
+    def all_gather(self, out, inp, async_op=False):
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return DoneHandle()
+
+    def reduce_scatter(self, out, inp, async_op=False):
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return DoneHandle()
+
+    def all_reduce(self, t, op="sum", async_op=False):
+        return DoneHandle()
+
+    def broadcast(self, t, src=0):
+        return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class TorchGroup(Group):
+    """A torch ProcessGroup (gloo or nccl) used through its object API."""
+
+    _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+    def __init__(self, pg, rank: int, world_size: int, backend: str) -> None:
+        self.pg, self.rank, self.world_size, self.backend = pg, rank, world_size, backend
+        self.counter = CommCounter()
+
+    def _ring(self, n: int) -> int:
+        return n * (self.world_size - 1) // self.world_size
+
+    def _done(self, work, async_op: bool) -> Handle:
+        handle = _TimedHandle(work, self.counter)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def all_gather(self, out, inp, async_op=False):
+        assert out.numel() == inp.numel() * self.world_size, (out.shape, inp.shape)
+        self.counter.add("all_gather", _nbytes(out), self._ring(_nbytes(out)))
+        return self._done(self.pg._allgather_base(out, inp), async_op)
+
+    def reduce_scatter(self, out, inp, async_op=False):
+        assert inp.numel() == out.numel() * self.world_size, (out.shape, inp.shape)
+        import torch.distributed as dist
+
+        self.counter.add("reduce_scatter", _nbytes(inp), self._ring(_nbytes(inp)))
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self._done(self.pg._reduce_scatter_base(out, inp, opts), async_op)
+
+    def all_reduce(self, t, op="sum", async_op=False):
+        import torch.distributed as dist
+
+        self.counter.add("all_reduce", _nbytes(t), 2 * self._ring(_nbytes(t)))
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, self._OPS[op])
+        return self._done(self.pg.allreduce([t], opts), async_op)
+
+    def broadcast(self, t, src=0):
+        import torch.distributed as dist
+
+        self.counter.add("broadcast", _nbytes(t), _nbytes(t) if self.rank == src else 0)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self._done(self.pg.broadcast([t], opts), False)
+
+    def close(self) -> None:
+        # Drop the reference; the backend tears its connections down when collected.
+        abort = getattr(self.pg, "abort", None)
+        if abort is not None and self.backend == "nccl":
+            abort()
+        self.pg = None
+
+
+def make_torch_group(backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
+                     timeout_s: float = 300.0, store_prefix: str = "zeroray") -> Group:
+    """Rendezvous through a TCPStore hosted by rank 0 and build the process group object."""
+    if world_size == 1:
+        return SoloGroup()
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
+                          timeout=timeout, wait_for_workers=True)
+    store = dist.PrefixStore(store_prefix, store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    else:
+        raise ValueError(f"backend={backend!r} is unknown: use 'gloo' (CPU) or 'nccl' (GPU)")
+    return TorchGroup(pg, rank, world_size, backend)
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for rank 0's store (the driver passes it to every rank)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
