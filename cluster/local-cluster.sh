@@ -97,15 +97,14 @@ live_pgids() {
 # and each job driver its own session, so they are not hit by the killpg of `down`.
 # They exit on their own once their raylet is gone; this lists the stragglers.
 marked_pids() {
-    local env_file pid
-    local marker="ZR_CLUSTER_DIR=$CLUSTER_DIR"
-    for env_file in /proc/[0-9]*/environ; do
-        pid="${env_file#/proc/}"
+    local f pid
+    # grep -z: environ entries are NUL-separated; -x: the whole entry must match.
+    for f in $(grep -lzxF -- "ZR_CLUSTER_DIR=$CLUSTER_DIR" /proc/[0-9]*/environ 2>/dev/null); do
+        pid="${f#/proc/}"
         pid="${pid%/environ}"
         [[ "$pid" == "$$" || "$pid" == "$BASHPID" ]] && continue
-        if { tr '\0' '\n' <"$env_file"; } 2>/dev/null | grep -qxF -- "$marker"; then
-            echo "$pid"
-        fi
+        # Zombies hold no environment, so they never match.
+        echo "$pid"
     done
 }
 
@@ -335,6 +334,8 @@ for node_id, n in sorted(nodes.items(), key=lambda kv: not kv[1].is_head_node):
 EOF
 }
 
+# RAY_ADDRESS here is the job API, for `ray job ...`; a driver calling ray.init() wants
+# the GCS address instead (RAY_ADDRESS=<ip>:$HEAD_PORT).
 cmd_env() {
     cat <<EOF
 export RAY_AUTH_MODE=token

@@ -21,6 +21,7 @@ accumulated gradient only ever exists as the owner's shard.
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import math
 import time
@@ -122,7 +123,7 @@ class Engine:
                  param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]] = None,
                  scheduler: Optional[Callable[[Any], Any]] = None) -> None:
         validate_optimizer(optimizer)
-        self.zero, self.group, self.loss_fn = zero, group, loss_fn
+        self.zero, self.group, self.loss_fn, self.optimizer_spec = zero, group, loss_fn, optimizer
         self.rank, self.world_size = group.rank, group.world_size
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[zero.dtype]
@@ -369,6 +370,53 @@ class Engine:
             out[unit.shard_offset:unit.shard_offset + hi - lo] = \
                 self.master[unit.full_offset + lo:unit.full_offset + hi].cpu()
         return out
+
+    def _full_to_shard(self, full: torch.Tensor) -> torch.Tensor:
+        """Stage 0 keeps full-size tensors; checkpoints hold every stage in shard coordinates."""
+        out = torch.zeros(self.layout.shard_numel, dtype=torch.float32)
+        for unit in self.layout.units:
+            lo, hi = unit.rank_range(self.rank)
+            out[unit.shard_offset:unit.shard_offset + hi - lo] = full[unit.full_offset + lo:unit.full_offset + hi].cpu()
+        return out
+
+    def export_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+        """Flat fp32 tensors in this rank's shard coordinates, and per-rank scalars."""
+        tensors, scalars = self.optimizer.export_state()
+        if self.zero.stage == 0:
+            tensors = {k: self._full_to_shard(v) for k, v in tensors.items()}
+        tensors["master"] = self.master_shard()
+        scalars["step"] = self.step_count
+        scalars["scaler"] = self.scaler.state() if self.scaler else None
+        scalars["rng"] = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+        return tensors, scalars
+
+    def state_layout(self) -> Tuple[FlatLayout, int]:
+        """The (layout, rank) whose shard coordinates import_state expects: stage 0 wants everything."""
+        if self.zero.stage == 0:
+            return self.layout.with_world_size(1), 0
+        return self.layout, self.rank
+
+    def import_state(self, tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any]) -> None:
+        """Load tensors given in ``state_layout()`` coordinates (collective for stages 1-2)."""
+        if self.zero.stage == 0:
+            single = self.layout.with_world_size(1)
+            full = {}
+            for key, flat in tensors.items():
+                out = torch.zeros(self.layout.full_numel, dtype=torch.float32)
+                for unit, one in zip(self.layout.units, single.units):
+                    out[unit.full_offset:unit.full_offset + unit.numel] = flat[one.shard_offset:one.shard_offset + one.numel]
+                full[key] = out
+            tensors = full
+        with torch.no_grad():
+            self.master.copy_(tensors["master"].to(self.master.device))
+        self.optimizer.import_state({k: v for k, v in tensors.items() if k != "master"}, scalars)
+        self.step_count = int(scalars.get("step", 0))
+        if self.scaler is not None and scalars.get("scaler"):
+            self.scaler.load(scalars["scaler"])
+        if scalars.get("rng"):
+            state = torch.frombuffer(bytearray(base64.b64decode(scalars["rng"])), dtype=torch.uint8)
+            torch.set_rng_state(state.clone())
+        self._publish_params()
 
     def untrained_state(self) -> Dict[str, torch.Tensor]:
         """Frozen parameters and buffers (replicated), under their state_dict names."""

@@ -42,7 +42,7 @@ class UnitGatherer:
         self.bucket_bytes = bucket_bytes
         self._free: List[torch.Tensor] = []
         self.pool_size = 0
-        self._staging_numel = max(bucket_bytes // max(shard.element_size(), 1), 1)
+        self._staging_numel = 0  # grows to the largest coalesced group, which is <= bucket_bytes
 
     def coalesce(self, units: Sequence[int]) -> List[List[int]]:
         """Split units (in issue order) into groups gathered by one collective each."""
@@ -100,7 +100,8 @@ class UnitGatherer:
             if buf.numel() >= numel:
                 return buf
         self.pool_size += 1
-        return torch.empty(max(numel, self._staging_numel), dtype=self.shard.dtype, device=self.shard.device)
+        self._staging_numel = max(self._staging_numel, numel)
+        return torch.empty(self._staging_numel, dtype=self.shard.dtype, device=self.shard.device)
 
     def buffer_bytes(self) -> int:
         return self.pool_size * self._staging_numel * self.shard.element_size()
