@@ -46,6 +46,7 @@ DOWN_TIMEOUT="${ZR_DOWN_TIMEOUT:-30}"
 PYTHON="${PYTHON:-python}"
 
 TOKEN_FILE="$CLUSTER_DIR/auth_token"
+ID_FILE="$CLUSTER_DIR/cluster_id"
 PGID_DIR="$CLUSTER_DIR/pgid"
 LOG_DIR="$CLUSTER_DIR/logs"
 GCS_ADDRESS="${NODE_IP:-127.0.0.1}:$HEAD_PORT"
@@ -92,30 +93,35 @@ live_pgids() {
     done
 }
 
-# Processes carrying this cluster's marker (ZR_CLUSTER_DIR=<dir> in their environment)
-# that are no longer in a recorded group: Ray gives each worker its own process group
-# and each job driver its own session, so they are not hit by the killpg of `down`.
-# They exit on their own once their raylet is gone; this lists the stragglers.
+# Processes carrying this cluster's marker (ZR_LOCAL_CLUSTER_ID=<id> in their
+# environment, set on the `ray start` commands only and inherited by everything they
+# start): Ray gives each worker its own process group and each job driver its own
+# session, so those are not hit by the killpg of `down`. They exit on their own once
+# their raylet is gone; this lists the stragglers. The id is random per `up`, so no
+# process outside the cluster (a shell, this script) carries it.
 marked_pids() {
-    local f pid
+    local f pid id
+    [[ -s "$ID_FILE" ]] || return 0
+    id="$(cat "$ID_FILE")"
     # grep -z: environ entries are NUL-separated; -x: the whole entry must match.
-    for f in $(grep -lzxF -- "ZR_CLUSTER_DIR=$CLUSTER_DIR" /proc/[0-9]*/environ 2>/dev/null); do
+    for f in $(grep -lzxF -- "ZR_LOCAL_CLUSTER_ID=$id" /proc/[0-9]*/environ 2>/dev/null); do
         pid="${f#/proc/}"
         pid="${pid%/environ}"
-        [[ "$pid" == "$$" || "$pid" == "$BASHPID" ]] && continue
         # Zombies hold no environment, so they never match.
         echo "$pid"
     done
 }
 
+# wait_gone SECONDS WHAT: true once nothing of WHAT ("groups" or "all") is left.
 wait_gone() {
-    # wait_gone SECONDS: true once no recorded group and no marked process is left.
     local deadline=$((SECONDS + $1))
-    while ((SECONDS < deadline)); do
-        if [[ -z "$(live_pgids)" && -z "$(marked_pids)" ]]; then return 0; fi
+    while true; do
+        if [[ -z "$(live_pgids)" ]] && [[ "$2" == groups || -z "$(marked_pids)" ]]; then
+            return 0
+        fi
+        ((SECONDS < deadline)) || return 1
         sleep 0.5
     done
-    [[ -z "$(live_pgids)" && -z "$(marked_pids)" ]]
 }
 
 start_node() {
@@ -129,8 +135,8 @@ start_node() {
     # background job of a non-interactive shell is never a group leader already).
     # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: on SIGTERM tear down at once instead of
     # draining for 30 s (draining lets Ray Serve move replicas; nothing to move here).
-    # ZR_CLUSTER_DIR marks every process of this cluster (see marked_pids).
-    ZR_CLUSTER_DIR="$CLUSTER_DIR" RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 \
+    # ZR_LOCAL_CLUSTER_ID marks every process of this cluster (see marked_pids).
+    ZR_LOCAL_CLUSTER_ID="$(cat "$ID_FILE")" RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 \
         setsid ray start --block \
         ${NODE_IP:+--node-ip-address "$NODE_IP"} \
         --temp-dir "$temp_dir" \
@@ -205,13 +211,14 @@ cmd_up() {
             die "port $p is in use; choose others with ZR_HEAD_PORT / ZR_DASHBOARD_PORT"
         fi
     done
-    mkdir -p "$CLUSTER_DIR" "$PGID_DIR" "$LOG_DIR"
-    rm -f "$PGID_DIR"/*.pgid
     # Longest socket path Ray creates: <temp>/session_YYYY-MM-DD_HH-MM-SS_ffffff_PID/sockets/plasma_store
     local longest
     longest="$(node_temp_dir "worker$NUM_WORKER_NODES")/session_2000-01-01_00-00-00_000000_4194304/sockets/plasma_store"
     ((${#longest} <= 107)) || die "ZR_CLUSTER_DIR=$CLUSTER_DIR is too long for Ray's unix sockets; use a shorter path"
+    mkdir -p "$CLUSTER_DIR" "$PGID_DIR" "$LOG_DIR"
+    rm -f "$PGID_DIR"/*.pgid
 
+    "$PYTHON" -c 'import secrets; print(secrets.token_hex(8))' >"$ID_FILE"
     if [[ ! -s "$TOKEN_FILE" ]]; then
         (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_hex(32), end="")' >"$TOKEN_FILE")
     fi
@@ -293,12 +300,18 @@ cmd_down() {
     for pgid in $(echo "$pgids" | tac); do
         kill -TERM -- "-$pgid" 2>/dev/null || true
     done
-    if ! wait_gone "$DOWN_TIMEOUT"; then
-        log "still running after ${DOWN_TIMEOUT}s; sending SIGKILL"
+    local pid
+    if wait_gone "$DOWN_TIMEOUT" groups; then
+        # What Ray started outside the node groups: workers exit with their raylet, a
+        # job driver keeps retrying the GCS for a minute. They are ours: SIGTERM them.
+        for pid in $(marked_pids); do kill -TERM "$pid" 2>/dev/null || true; done
+        wait_gone 10 all || true
+    fi
+    if [[ -n "$(live_pgids)" || -n "$(marked_pids)" ]]; then
+        log "still running after SIGTERM; sending SIGKILL"
         for pgid in $(live_pgids); do kill -KILL -- "-$pgid" 2>/dev/null || true; done
-        local pid
         for pid in $(marked_pids); do kill -KILL "$pid" 2>/dev/null || true; done
-        wait_gone 10 || die "processes left: groups [$(live_pgids | xargs)] pids [$(marked_pids | xargs)]"
+        wait_gone 10 all || die "processes left: groups [$(live_pgids | xargs)] pids [$(marked_pids | xargs)]"
     fi
     rm -f "$PGID_DIR"/*.pgid
     log "stopped (state kept in $CLUSTER_DIR)"

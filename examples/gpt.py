@@ -22,6 +22,17 @@ class GPTConfig:
     dropout: float = 0.0
 
 
+class Embedding(nn.Embedding):
+    """GPT-2's small initialisation (std 0.02), done in the module's own constructor.
+
+    Parameters are initialised by the module that owns them, never by a parent afterwards:
+    that keeps the model compatible with zeroray's sharded construction (stage 3), which
+    partitions each module's parameters as soon as that module is built."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -46,8 +57,8 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.wte = Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

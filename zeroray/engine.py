@@ -22,7 +22,6 @@ accumulated gradient only ever exists as the owner's shard.
 from __future__ import annotations
 
 import base64
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from zeroray.activations import ActivationTracker, apply_checkpointing, checkpoint_targets
 from zeroray.arena import FlatLayout
 from zeroray.comm.buckets import GradBuckets, default_unit_order
 from zeroray.comm.gather import UnitGatherer
@@ -150,6 +150,7 @@ class Engine:
         if zero.stage == 3:
             self._build_coordinator()
         self._register_grad_hooks(named)
+        self._build_activations()
         self.scaler = (LossScaler(zero.initial_loss_scale, zero.loss_scale_growth_factor,
                                   zero.loss_scale_backoff_factor, zero.loss_scale_growth_interval,
                                   zero.min_loss_scale) if zero.dtype == "fp16" else None)
@@ -242,6 +243,23 @@ class Engine:
             self.buffers, self.gatherer, self.group, modules, names, units, prefetch=z.prefetch,
             prefetch_bytes=z.prefetch_bytes, max_live_bytes=z.max_live_bytes, reuse_distance=z.reuse_distance)
 
+    def _build_activations(self) -> None:
+        if self.coordinator is not None:
+            coordinator = self.coordinator
+            is_param = lambda ptr: ptr in coordinator._ptr_to_unit
+            before_run = lambda m: coordinator.backward and coordinator.ensure_module(m)
+        else:
+            arena_ptr = self.buffers.arena.untyped_storage().data_ptr()
+            is_param = lambda ptr: ptr == arena_ptr
+            before_run = None
+        self.activations = ActivationTracker(is_param, inner=self.coordinator)
+        targets = checkpoint_targets(self.model, self.zero.activation_checkpointing)
+        apply_checkpointing(targets, self.zero.offload_activations, self.activations, before_run)
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        return self.activations.peak
+
     def _register_grad_hooks(self, named) -> None:
         self._reduce_now = True
         self._unit_pending: List[int] = []
@@ -284,9 +302,10 @@ class Engine:
             last = i == k - 1
             self._reduce_now = self.zero.stage >= 2 or last
             self._unit_pending = list(self._unit_params)
-            hooks = self.coordinator.saved_tensors_hooks() if self.coordinator else contextlib.nullcontext()
-            with hooks:
+            self.activations.begin()
+            with self.activations.hooks():
                 loss = self.loss_fn(self.model, mb)
+            self.activations.end_forward()
             self._check_loss(loss)
             losses.append(float(loss.detach().float()))
             if self.coordinator is not None:

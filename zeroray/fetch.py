@@ -51,6 +51,7 @@ class FetchCoordinator:
         self.prefetch_enabled, self.prefetch_bytes = prefetch, prefetch_bytes
         self.max_live_bytes, self.reuse_distance = max_live_bytes, reuse_distance
         self.layout = buffers.layout
+        self._index_of = {id(m): i for i, m in enumerate(self.modules)}
         self.trace: Optional[List[Event]] = None
         self._handles: Dict[int, GatherHandle] = {}
         self._active = [0] * len(self.layout.units)   # modules currently running that use a unit
@@ -151,6 +152,12 @@ class FetchCoordinator:
             return False
         nxt = self._next_use[self.pos - 1].get(unit)
         return nxt is not None and nxt - (self.pos - 1) <= self.reuse_distance
+
+    def ensure_module(self, module: torch.nn.Module) -> None:
+        """Gather a module's units outside its hooks (recomputation under activation checkpointing)."""
+        index = self._index_of.get(id(module))
+        if index is not None:
+            self.ensure(self.module_units[index])
 
     def on_backward_use(self, unit: int) -> None:
         """A saved view of ``unit`` is being unpacked by autograd."""
@@ -258,9 +265,6 @@ class FetchCoordinator:
             self.on_backward_use(obj[1])
             return obj[2]
         return obj
-
-    def saved_tensors_hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     # --- trace verification ----------------------------------------------------------------
 

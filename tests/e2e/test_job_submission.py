@@ -102,9 +102,10 @@ def _recorded_pgids(cluster_dir: str) -> list[int]:
 
 def _live_members(pgids: list[int], cluster_dir: str) -> list[str]:
     """Processes still alive from the cluster: in a recorded process group, or carrying
-    the script's ZR_CLUSTER_DIR marker in their environment (Ray workers and job drivers
-    leave the node's process group)."""
-    marker = f"ZR_CLUSTER_DIR={cluster_dir}".encode()
+    the script's ZR_LOCAL_CLUSTER_ID marker in their environment (Ray workers and job
+    drivers leave the node's process group)."""
+    id_file = Path(cluster_dir, "cluster_id")
+    marker = f"ZR_LOCAL_CLUSTER_ID={id_file.read_text().strip()}".encode() if id_file.exists() else None
     left = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -116,7 +117,7 @@ def _live_members(pgids: list[int], cluster_dir: str) -> list[str]:
             if state == "Z":
                 continue
             in_group = int(pgrp) in pgids
-            marked = marker in (proc / "environ").read_bytes().split(b"\0")
+            marked = marker is not None and marker in (proc / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue  # gone meanwhile, or not ours to read
         if in_group or marked:
