@@ -1,0 +1,95 @@
+"""Run the engine in W plain torch processes (gloo), no Ray: the engine layer's test bench."""
+import os
+import tempfile
+import traceback
+
+import cloudpickle
+import torch
+import torch.multiprocessing as mp
+
+from zeroray.comm.group import free_port, make_torch_group
+from zeroray.engine import Engine, split_batch
+
+
+def _worker(rank, world, ports, specs_blob, out_dir):
+    try:
+        torch.set_num_threads(1)
+        specs = cloudpickle.loads(specs_blob)
+        for index, (port, spec) in enumerate(zip(ports, specs)):
+            _run_one(rank, world, port, spec, os.path.join(out_dir, f"spec{index}_rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _run_one(rank, world, port, spec, out_file):
+    group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=120)
+    engine = Engine(spec["model_fn"], spec["loss_fn"], spec["optimizer"], spec["zero"], group,
+                    seed=spec.get("seed", 0), param_groups=spec.get("param_groups"),
+                    scheduler=spec.get("scheduler"))
+    losses, norms, skipped, reports = [], [], [], []
+    for batch in spec["batches"]:
+        shard = split_batch(batch, world)[rank]
+        stats = engine.train_step(shard)
+        losses.append(stats.loss)
+        norms.append(stats.grad_norm)
+        skipped.append(stats.skipped)
+        report = group.counter.as_dict()
+        if engine.coordinator is not None:
+            report["fetch"] = dict(engine.coordinator.stats)
+        report["bucket_pool"] = engine.reducer.pool_size
+        reports.append(report)
+    pieces = {name: engine.master_piece(name) for name in engine.layout.param_names}
+    torch.save({"losses": losses, "norms": norms, "skipped": skipped, "pieces": pieces,
+                "reports": reports, "untrained": engine.untrained_state(),
+                "aliases": engine.layout.aliases(), "scale": engine.scaler.scale if engine.scaler else None},
+               out_file)
+    engine.close()
+    group.close()
+
+
+def run_engine(world, **spec):
+    """Train on ``spec['batches']`` (global batches) with ``world`` ranks; returns rank results and
+    the consolidated fp32 parameters (state_dict names, tied aliases included)."""
+    return run_engines(world, [spec])[0]
+
+
+def run_engines(world, specs):
+    """Several runs in one set of processes (process start-up dominates these tests' time)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.get_context("spawn")
+        ports = [free_port() for _ in specs]
+        procs = [ctx.Process(target=_worker, args=(r, world, ports, cloudpickle.dumps(specs), out_dir)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(300)
+        errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error")]
+        if errors or any(p.exitcode != 0 for p in procs):
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            raise RuntimeError("engine worker failed:\n" + "\n".join(errors))
+        out = []
+        for index in range(len(specs)):
+            results = [torch.load(os.path.join(out_dir, f"spec{index}_rank{r}.pt"), weights_only=False)
+                       for r in range(world)]
+            out.append((results, consolidate(results)))
+        return out
+
+
+def consolidate(results):
+    params = {}
+    for name in results[0]["pieces"]:
+        numel = max(r["pieces"][name][1] for r in results)
+        flat = torch.zeros(numel)
+        for r in results:
+            lo, hi, t = r["pieces"][name]
+            flat[lo:hi] = t
+        params[name] = flat
+    for canonical, aliases in results[0]["aliases"].items():
+        for a in aliases:
+            params[a] = params[canonical]
+    params.update(results[0]["untrained"])
+    return params
