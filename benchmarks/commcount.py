@@ -44,7 +44,9 @@ class CommCounter:
         self.reset()
 
     def reset(self) -> None:
-        self.collectives = defaultdict(lambda: {"bytes": 0, "calls": 0, "sent_bytes": 0.0})
+        # Named as in zr.Trainer.comm_report(): "bytes" is what this worker sent (ring model),
+        # "payload_bytes" the size of the tensors handed to the collective.
+        self.collectives = defaultdict(lambda: {"bytes": 0.0, "calls": 0, "payload_bytes": 0})
 
     def install(self) -> "CommCounter":
         import torch.distributed as dist
@@ -74,9 +76,9 @@ class CommCounter:
             payload = _nbytes(bound.arguments[arg]) if arg in bound.arguments else 0
             world_size = dist.get_world_size(bound.arguments.get("group"))
             entry = self.collectives[kind]
-            entry["bytes"] += payload
+            entry["payload_bytes"] += payload
             entry["calls"] += 1
-            entry["sent_bytes"] += ring_bytes_sent(kind, payload, world_size)
+            entry["bytes"] += ring_bytes_sent(kind, payload, world_size)
             return fn(*args, **kwargs)
 
         counted.__wrapped__ = fn
@@ -86,7 +88,7 @@ class CommCounter:
         """Same shape as one worker's entry of ``zr.Trainer.comm_report()``, plus payload."""
         collectives = {k: dict(v) for k, v in self.collectives.items()}
         return {
-            "total_bytes": sum(v["sent_bytes"] for v in collectives.values()),
-            "payload_bytes": sum(v["bytes"] for v in collectives.values()),
+            "total_bytes": sum(v["bytes"] for v in collectives.values()),
+            "payload_bytes": sum(v["payload_bytes"] for v in collectives.values()),
             "collectives": collectives,
         }

@@ -21,7 +21,8 @@
 #   ZR_OBJECT_STORE_MB    object store per node   (256)
 #   ZR_NODE_IP            node IP address         (Ray's choice: this machine's address;
 #                                                  Ray replaces 127.0.0.1 by it anyway)
-#   ZR_UP_TIMEOUT         seconds `up` waits for the nodes   (120)
+#   ZR_UP_TIMEOUT         seconds `up` waits for all nodes   (180)
+#   ZR_START_ATTEMPTS     tries per node (Ray gives a raylet 30 s to register) (3)
 #   ZR_DOWN_TIMEOUT       seconds `down` waits before SIGKILL (30)
 #
 # [Note: token auth] Ray 2.60 turns on token authentication for `ray start --head` when a
@@ -41,7 +42,8 @@ NUM_WORKER_NODES="${ZR_NUM_WORKER_NODES:-2}"
 NODE_CPUS="${ZR_NODE_CPUS:-2}"
 OBJECT_STORE_MB="${ZR_OBJECT_STORE_MB:-256}"
 NODE_IP="${ZR_NODE_IP:-}"
-UP_TIMEOUT="${ZR_UP_TIMEOUT:-120}"
+UP_TIMEOUT="${ZR_UP_TIMEOUT:-180}"
+START_ATTEMPTS="${ZR_START_ATTEMPTS:-3}"
 DOWN_TIMEOUT="${ZR_DOWN_TIMEOUT:-30}"
 PYTHON="${PYTHON:-python}"
 
@@ -80,6 +82,23 @@ auth_env() {
     unset RAY_ADDRESS
 }
 
+# True while the process group has a member that is not a zombie (a zombie is gone,
+# only not yet reaped by its parent). Not `ps -g`: procps reads its argument as a
+# session id or a group name.
+group_alive() {
+    ps -eo pgid=,stat= | grep -qE "^ *$1 +[^Z]"
+}
+
+# stop_groups PGID...: SIGTERM the groups, SIGKILL what is left after 15 s.
+stop_groups() {
+    local pgid deadline=$((SECONDS + 15))
+    for pgid in "$@"; do kill -TERM -- "-$pgid" 2>/dev/null || true; done
+    for pgid in "$@"; do
+        while group_alive "$pgid" && ((SECONDS < deadline)); do sleep 0.5; done
+        kill -KILL -- "-$pgid" 2>/dev/null || true
+    done
+}
+
 # pgids of this cluster's nodes whose process group still has a member.
 live_pgids() {
     local f pgid
@@ -87,9 +106,7 @@ live_pgids() {
     for f in "$PGID_DIR"/*.pgid; do
         [[ -e "$f" ]] || continue
         pgid="$(cat "$f")"
-        # Zombies do not count: they are gone, only not yet reaped by their parent.
-        # (Not `ps -g`: procps reads its argument as a session id or a group name.)
-        if ps -eo pgid=,stat= | grep -qE "^ *$pgid +[^Z]"; then echo "$pgid"; fi
+        if group_alive "$pgid"; then echo "$pgid"; fi
     done
 }
 
@@ -146,7 +163,7 @@ start_node() {
         --min-worker-port 0 --max-worker-port 0 \
         --disable-usage-stats \
         "$@" \
-        </dev/null >"$log_file" 2>&1 &
+        </dev/null >>"$log_file" 2>&1 &
     pid=$!
     # The forked child calls setsid() a moment after `&` returns.
     local tries
@@ -182,14 +199,48 @@ sys.exit(1)
 EOF
 }
 
-# Number of alive nodes, asked of the GCS directly (no driver is started).
-alive_nodes() {
-    "$PYTHON" - "$GCS_ADDRESS" <<'EOF' 2>/dev/null || echo 0
+# Temp dirs of the alive nodes, one a line, asked of the GCS directly (no driver is
+# started). A node's raylet socket lives under its temp dir, which names the node here.
+alive_node_dirs() {
+    "$PYTHON" - "$GCS_ADDRESS" <<'EOF' 2>/dev/null || true
 import sys
 from ray._raylet import GcsClient
 nodes = GcsClient(address=sys.argv[1]).get_all_node_info(timeout=5)
-print(sum(1 for n in nodes.values() if n.state == 0))  # 0 = ALIVE
+for n in nodes.values():
+    if n.state == 0:  # ALIVE
+        print(n.raylet_socket_name.split("/session_")[0])
 EOF
+}
+
+node_alive() {
+    alive_node_dirs | grep -qxF -- "$(node_temp_dir "$1")"
+}
+
+# A node is ready when its raylet is alive; the head also needs the job API up (its
+# dashboard can fail to start on its own, which a restart of the head fixes).
+node_ready() {
+    node_alive "$1" && { [[ "$1" != head ]] || job_api_answers; }
+}
+
+# start_node_and_wait NAME ARGS...: start the node and wait until its raylet is alive in
+# the GCS. Ray gives a raylet 30 s to register and otherwise gives up (`ray start`
+# exits); on a loaded machine that happens, so a node gets START_ATTEMPTS tries.
+start_node_and_wait() {
+    local name="$1" attempt pgid
+    shift
+    for ((attempt = 1; attempt <= START_ATTEMPTS; attempt++)); do
+        start_node "$name" "$@"
+        pgid="$(cat "$PGID_DIR/$name.pgid")"
+        while ((SECONDS < UP_DEADLINE)); do
+            node_ready "$name" && return 0
+            group_alive "$pgid" || break
+            sleep 1
+        done
+        ((SECONDS < UP_DEADLINE)) || return 1
+        log "$name did not come up (attempt $attempt of $START_ATTEMPTS); log: $LOG_DIR/$name.log"
+        stop_groups "$pgid"
+    done
+    return 1
 }
 
 # True once the job API answers an authenticated request.
@@ -224,50 +275,24 @@ cmd_up() {
     fi
     auth_env
 
-    start_node head --head \
-        --port "$HEAD_PORT" \
-        --include-dashboard true \
-        --dashboard-host 127.0.0.1 \
-        --dashboard-port "$DASHBOARD_PORT" \
-        --ray-client-server-port "$(free_port)"
-
-    # Workers can only join once the head's GCS answers.
-    local deadline=$((SECONDS + UP_TIMEOUT))
-    until [[ "$(alive_nodes)" -ge 1 ]]; do
-        if [[ -z "$(live_pgids)" ]] || ((SECONDS >= deadline)); then
-            tail -n 30 "$LOG_DIR/head.log" >&2 || true
-            cmd_down >&2 || true
-            die "the head node did not come up (log: $LOG_DIR/head.log)"
-        fi
-        sleep 1
-    done
-
+    UP_DEADLINE=$((SECONDS + UP_TIMEOUT))
+    # One node at a time: starting them together makes their raylets miss Ray's 30 s
+    # registration deadline on a loaded 2-core machine.
     local name
     for name in $(node_names); do
-        [[ "$name" == head ]] && continue
-        start_node "$name" --address "$GCS_ADDRESS"
-    done
-
-    local want=$((NUM_WORKER_NODES + 1)) have=0
-    while true; do
-        have="$(alive_nodes)"
-        ((have >= want)) && break
-        if ((SECONDS >= deadline)) || [[ "$(live_pgids | wc -l)" -lt "$want" ]]; then
-            for name in $(node_names); do tail -n 20 "$LOG_DIR/$name.log" >&2 || true; done
-            cmd_down >&2 || true
-            die "only $have of $want nodes came up within ${UP_TIMEOUT}s (logs: $LOG_DIR)"
+        local args=(--address "$GCS_ADDRESS")
+        if [[ "$name" == head ]]; then
+            args=(--head --port "$HEAD_PORT"
+                --include-dashboard true --dashboard-host 127.0.0.1 --dashboard-port "$DASHBOARD_PORT"
+                --ray-client-server-port "$(free_port)")
         fi
-        sleep 1
-    done
-    # The job API answers a little after the dashboard process starts.
-    until job_api_answers; do
-        if ((SECONDS >= deadline)); then
+        if ! start_node_and_wait "$name" "${args[@]}"; then
+            tail -n 30 "$LOG_DIR/$name.log" >&2 || true
             cmd_down >&2 || true
-            die "the dashboard at $DASHBOARD_URL did not answer within ${UP_TIMEOUT}s"
+            die "$name did not come up within ${UP_TIMEOUT}s (logs: $LOG_DIR)"
         fi
-        sleep 1
     done
-
+    local want=$((NUM_WORKER_NODES + 1))
     cat <<EOF
 local-cluster: $want nodes alive
   GCS address:   $GCS_ADDRESS

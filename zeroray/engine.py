@@ -38,6 +38,7 @@ from zeroray.config import ZeroConfig, validate_optimizer
 from zeroray.fetch import FetchCoordinator
 from zeroray.optim import LossScaler, ShardedOptimizer, build_segments
 from zeroray.params import UnitBuffers
+from zeroray.sharded_init import build_sharded
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -131,19 +132,26 @@ class Engine:
         self.step_count = 0
         self._structure = None
 
-        torch.manual_seed(seed)
-        model = model_fn()
+        built = None
+        if zero.stage == 3 and zero.sharded_init:
+            built = build_sharded(model_fn, seed, self.world_size, self.rank)
+        if built is not None:
+            model, self.layout, kept = built
+        else:
+            torch.manual_seed(seed)
+            model, kept = model_fn(), None
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model_fn returned {type(model).__name__}, not a torch.nn.Module")
         self.model = model.to(self.device)
-        self.layout = FlatLayout.from_module(self.model, self.world_size)
+        if built is None:
+            self.layout = FlatLayout.from_module(self.model, self.world_size)
         if not self.layout.units:
             raise ValueError("the model has no trainable parameters (all have requires_grad=False): "
                              "there is nothing to train")
         if self.dtype != torch.float32:
             self._cast_untrained(self.dtype)
         named = dict(self.model.named_parameters())
-        self._build_storage(named)
+        self._build_storage(named, kept)
         self._build_optimizer(optimizer, named, param_groups, scheduler)
         self._build_reducer()
         self.coordinator: Optional[FetchCoordinator] = None
@@ -168,7 +176,8 @@ class Engine:
                     if b is not None and b.is_floating_point():
                         mod._buffers[k] = b.to(dtype)
 
-    def _build_storage(self, named: Dict[str, torch.nn.Parameter]) -> None:
+    def _build_storage(self, named: Dict[str, torch.nn.Parameter],
+                       kept: Optional[Dict[str, Tuple[int, int, torch.Tensor]]] = None) -> None:
         layout, stage = self.layout, self.zero.stage
         fp32 = self.dtype == torch.float32
         # The fp32 initial values of the rank's shard, taken before the parameters are rebound.
@@ -176,9 +185,10 @@ class Engine:
         for name in layout.param_names:
             piece, lo, hi = layout.param_shard_view(init_shard, name, self.rank)
             if hi > lo:
-                piece.copy_(named[name].detach().reshape(-1)[lo:hi].float())
+                values = kept[name][2] if kept is not None else named[name].detach().reshape(-1)[lo:hi]
+                piece.copy_(values.float())
         self.buffers = UnitBuffers(layout, self.dtype, self.device, persistent=stage < 3)
-        self.buffers.bind(named)
+        self.buffers.bind(named, copy_values=kept is None)
         if stage == 0:
             self.param_shard = None
             self.master = self.buffers.arena if fp32 else self.buffers.arena.float()  # 1D full
@@ -321,6 +331,11 @@ class Engine:
         loss_value = sum(losses) / k
         skipped = False
         if not math.isfinite(norm):
+            if self.scaler is None and not math.isfinite(loss_value):
+                raise StepError(f"step {self.step_count}: loss_fn returned a non-finite loss ({loss_value}) on "
+                                f"worker {self.rank}, so the gradients are not finite and the step was not "
+                                "applied. Check the batch and the model for inf/nan (log of 0, division by 0, "
+                                "overflow) or lower the learning rate.")
             if self.scaler is None:
                 raise StepError(f"step {self.step_count}: the gradient norm is not finite (this worker's loss "
                                 f"was {loss_value}). Lower the learning rate, clip gradients (max_grad_norm) "

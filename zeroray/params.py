@@ -52,9 +52,15 @@ class UnitBuffers:
             self.full = [self.arena[u.full_offset:u.full_offset + u.padded] for u in layout.units]
             self.state = [UnitState.GATHERED] * len(layout.units)
         else:
-            self.full = [torch.zeros(u.padded, dtype=dtype, device=device) for u in layout.units]
-            self.state = [UnitState.GATHERED] * len(layout.units)
-        self._nbytes = [u.padded * self.full[0].element_size() if self.full else 0 for u in layout.units]
+            # Created SHARDED, one unit at a time: the full model is never allocated at once.
+            self.full = []
+            for u in layout.units:
+                buf = torch.empty(u.padded, dtype=dtype, device=device)
+                buf.untyped_storage().resize_(0)
+                self.full.append(buf)
+            self.state = [UnitState.SHARDED] * len(layout.units)
+        elem = torch.tensor([], dtype=dtype).element_size()
+        self._nbytes = [u.padded * elem for u in layout.units]
 
     def unit_bytes(self, unit: int) -> int:
         return self._nbytes[unit]
@@ -63,19 +69,27 @@ class UnitBuffers:
         slot = self.layout.slots[name]
         return self.full[slot.unit][slot.offset:slot.offset + slot.numel].view(slot.shape)
 
-    def bind(self, params: Dict[str, torch.nn.Parameter]) -> None:
-        """Make every trainable parameter a view into its unit's buffer (values copied in)."""
+    def bind(self, params: Dict[str, torch.nn.Parameter], copy_values: bool = True) -> None:
+        """Make every trainable parameter a view into its unit's buffer (values copied in, unless
+        the model was built sharded and holds no values; the shard has them)."""
         with torch.no_grad():
-            for name in self.layout.param_names:
-                p = params[name]
-                view = self.param_view(name)
-                view.copy_(p.detach().to(self.dtype))
-                p.data = view
+            for unit in self.layout.units:
+                if not self.persistent:
+                    self.alloc(unit.index)  # views can only be cut from allocated storage
+                for name in unit.params:
+                    p = params[name]
+                    view = self.param_view(name)
+                    if copy_values:
+                        view.copy_(p.detach().to(self.dtype))
+                    p.data = view
+                if not self.persistent:
+                    self.free(unit.index)  # the local shard holds the values; one unit at a time
 
     def free(self, unit: int) -> None:
         """SHARDED: release the full buffer's memory; see [Note: storage resize]."""
         assert not self.persistent
-        self.full[unit].untyped_storage().resize_(0)
+        if self.full[unit].untyped_storage().nbytes():
+            self.full[unit].untyped_storage().resize_(0)
         self.state[unit] = UnitState.SHARDED
 
     def alloc(self, unit: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Any, List, Optional
 
 import ray
 
+from zeroray.runtime.data import WorkerStep, worker_steps
 from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
 from zeroray.runtime.progress import Progress
 
@@ -32,19 +33,18 @@ def _is_ray_dataset(data: Any) -> bool:
         return False
 
 
-def _batches(data: Any, skip: int, batch_size: Optional[int]):
+def _batches(trainer, data: Any, skip: int, batch_size: Optional[int]):
     if _is_ray_dataset(data):
-        if batch_size is None:
-            raise ValueError("fit(dataset) with a ray.data.Dataset needs batch_size= (the global batch size)")
-        it = data.iter_torch_batches(batch_size=batch_size, drop_last=True)
-    else:
-        it = iter(data)
-    return itertools.islice(it, skip, None)
+        # Every worker pulls its own split: the loop gets WorkerSteps, not batches (runtime/data.py).
+        return worker_steps(trainer, data, batch_size, skip)
+    return itertools.islice(iter(data), skip, None)
 
 
 def _tokens_per_step(batch: Any) -> Optional[int]:
     import torch
 
+    if isinstance(batch, WorkerStep):
+        return batch.num_tokens
     first = batch[0] if isinstance(batch, (list, tuple)) else (
         next(iter(batch.values())) if isinstance(batch, dict) else batch)
     return int(first.numel()) if isinstance(first, torch.Tensor) else None
@@ -68,8 +68,8 @@ def run_fit(trainer, data: Any, num_steps: Optional[int], *, batch_size: Optiona
     scaling = ScalingPolicy(trainer.scaling.num_workers, trainer.scaling.min_workers,
                             trainer.scaling.cpus_per_worker, trainer.scaling.use_gpu)
     results: List[Any] = []
+    batches = _batches(trainer, data, trainer.data_position, batch_size)  # checks a Dataset's batch_size
     bar = Progress(num_steps, metrics_path=trainer.metrics_path) if progress else None
-    batches = _batches(data, trainer.data_position, batch_size)
     try:
         while end_position is None or trainer.data_position < end_position:
             try:
@@ -77,50 +77,88 @@ def run_fit(trainer, data: Any, num_steps: Optional[int], *, batch_size: Optiona
             except StopIteration:
                 break
             try:
-                result = trainer.step(batch)
-            except Exception as error:  # noqa: BLE001 - classified below
-                from zeroray.runtime.trainer import _is_worker_failure
-
-                decision = failures.on_failure(error, user_error=not _is_worker_failure(error))
-                if decision.action is Action.RAISE:
-                    if failures.failures > trainer.failure.max_failures and failures.failures > 0:
-                        raise RuntimeError(f"training failed: {decision.reason}; original cause: "
-                                           f"{type(error).__name__}: {error}") from error
-                    raise
-                t0 = time.perf_counter()
-                _recover(trainer, scaling, decision.reason, bar)
-                batches = _batches(data, trainer.data_position, batch_size)
-                msg = (f"zeroray: restarted after a worker failure ({decision.reason}); resumed at step "
-                       f"{trainer.step_count} with {trainer.num_workers} worker(s) in {time.perf_counter() - t0:.1f}s")
-                trainer.last_recovery_s = time.perf_counter() - t0
+                result = batch.run() if isinstance(batch, WorkerStep) else trainer.step(batch)
+                trainer.data_position += 1
+                results.append(result)
                 if bar:
-                    bar.note(msg)
-                else:
-                    log.warning(msg)
-                continue
-            trainer.data_position += 1
-            results.append(result)
-            if bar:
-                if bar.tokens_per_step is None:
-                    bar.tokens_per_step = _tokens_per_step(batch)
-                bar.update(result)
-            if ckpt.every_steps and trainer.step_count % ckpt.every_steps == 0:
-                trainer.save(ckpt.path)
+                    if bar.tokens_per_step is None:
+                        bar.tokens_per_step = _tokens_per_step(batch)
+                    bar.update(result)
+                if ckpt.every_steps and trainer.step_count % ckpt.every_steps == 0:
+                    trainer.save(ckpt.path)
+            except Exception as error:  # noqa: BLE001 - classified by _recover: raise, or restart
+                batches = None  # drop the iterator (a Ray Data feed detaches from the old group)
+                _recover(trainer, error, failures, scaling, bar)
+                results[:] = [r for r in results if r.step <= trainer.step_count]  # replayed below
+                batches = _batches(trainer, data, trainer.data_position, batch_size)
     finally:
         if bar:
             bar.close()
     return results
 
 
-def _recover(trainer, scaling: ScalingPolicy, reason: str, bar) -> None:
+def _recover(trainer, error: Exception, failures: FailurePolicy, scaling: ScalingPolicy, bar) -> None:
+    """Ask the FailurePolicy; raise, or rebuild the group and load the last checkpoint.
+
+    [Note: failure detection] WorkerGroup.wait_all sees a dead worker within about a second (Ray
+    fails its call; the survivors' gloo calls fail on the closed connection) and tears the
+    group down itself, so no survivor stays blocked in a collective. A failure while restarting
+    (another worker dies) counts as one more failure.
+    """
+    from zeroray.runtime.trainer import _is_worker_failure
+
+    detected = time.monotonic()
+    while True:
+        decision = failures.on_failure(error, user_error=not _is_worker_failure(error))
+        if decision.action is Action.RAISE:
+            if failures.exhausted:
+                raise RuntimeError(f"training failed: {decision.reason}; original cause: "
+                                   f"{type(error).__name__}: {error}") from error
+            raise error  # user code or input: the worker's own error, as it is
+        _note(bar, f"zeroray: {decision.reason}; restarting from "
+                   f"{trainer._last_checkpoint or 'the initial weights (no checkpoint yet)'}")
+        try:
+            _restart(trainer, scaling, decision.reason, bar)
+            break
+        except Exception as again:  # noqa: BLE001
+            if not _is_worker_failure(again):
+                raise
+            error = again
+    resumed = time.monotonic()
+    trainer.last_recovery_s = resumed - detected
+    record = {"cause": f"{type(error).__name__}: {error}", "detected_at": detected, "resumed_at": resumed,
+              "seconds": resumed - detected, "step": trainer.step_count, "num_workers": trainer.num_workers}
+    trainer.recoveries.append(record)
+    _note(bar, f"zeroray: resumed at step {trainer.step_count} with {trainer.num_workers} worker(s), "
+               f"{trainer.last_recovery_s:.1f} s after the failure was detected")
+
+
+def _note(bar, message: str) -> None:
+    if bar:
+        bar.note(message)  # prints, and logs
+    else:
+        log.warning(message)
+
+
+def _free_resources(scaling: ScalingPolicy, wait_s: float = 3.0):
+    """Free CPUs and GPUs, after giving Ray a moment to return the torn-down group's bundles."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        free = ray.available_resources()
+        cpus, gpus = free.get("CPU", 0.0), free.get("GPU", 0.0)
+        if scaling.fits(cpus, gpus) >= scaling.target or time.monotonic() >= deadline:
+            return cpus, gpus
+        time.sleep(0.1)
+
+
+def _restart(trainer, scaling: ScalingPolicy, reason: str, bar) -> None:
     """Tear the group down, start a new one of the size the cluster offers, load the last checkpoint."""
-    log.warning("zeroray: worker failure: %s; restarting", reason)
     trainer.shutdown()
-    time.sleep(1.0)  # let Ray return the dead group's resources before sizing the new one
-    free = ray.available_resources()
-    n = scaling.workers_for(free.get("CPU", 0.0), free.get("GPU", 0.0))
+    decision = scaling.on_restart(*_free_resources(scaling))
+    if decision.action is Action.RESIZE:
+        _note(bar, f"zeroray: {decision.reason}")
     trainer._structure = None
-    trainer._start(n)
+    trainer._start(decision.num_workers)
     if trainer._last_checkpoint is not None:
         trainer._load(trainer._last_checkpoint)
     else:

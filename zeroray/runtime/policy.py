@@ -1,6 +1,8 @@
 """Failure and scaling policies: small objects that return a decision and do nothing else.
 
-The controller (trainer.py) acts on the decision; the policies are testable without a cluster.
+The fit loop (fit_loop.py) acts on the decisions; the policies are testable without a cluster
+(tests/unit/test_policy.py). Which errors count as worker failures is decided by
+``worker_group.classify_error``; the policy only counts them.
 """
 from __future__ import annotations
 
@@ -10,42 +12,72 @@ from typing import Optional
 
 
 class Action(enum.Enum):
-    RESTART = "restart"
-    RAISE = "raise"
+    RESTART = "restart"  # rebuild the group at its full size, resume from the last checkpoint
+    RESIZE = "resize"    # rebuild it smaller: the cluster offers fewer workers (down to min_workers)
+    RAISE = "raise"      # give up: the error goes to the caller
 
 
 @dataclass(frozen=True)
 class Decision:
     action: Action
     reason: str
+    num_workers: Optional[int] = None  # RESTART / RESIZE from ScalingPolicy: the new group's size
 
 
 class FailurePolicy:
-    """Restart after a worker failure until ``max_failures`` have happened, then raise."""
+    """Restart after a worker failure until ``max_failures`` have happened, then raise.
+
+    Errors in user code or input are never retried: the same step would fail the same way.
+    """
 
     def __init__(self, max_failures: int) -> None:
         self.max_failures = max_failures
         self.failures = 0
 
+    @property
+    def exhausted(self) -> bool:
+        """True once more worker failures happened than max_failures allows."""
+        return self.failures > self.max_failures
+
     def on_failure(self, error: BaseException, user_error: bool) -> Decision:
         if user_error:
             return Decision(Action.RAISE, f"the error comes from user code or input: {type(error).__name__}")
         self.failures += 1
-        if self.failures > self.max_failures:
-            return Decision(Action.RAISE, f"{self.failures} worker failure(s), max_failures={self.max_failures}")
+        if self.exhausted:
+            return Decision(Action.RAISE, f"{self.failures} worker failure(s), more than "
+                                          f"FailureConfig.max_failures={self.max_failures}")
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return Decision(Action.RESTART, f"worker failure {self.failures} of at most {self.max_failures}: "
-                                        f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                                        f"{type(error).__name__}: {first}")
 
 
 class ScalingPolicy:
-    """How many workers to restart with: what the cluster offers, between min and the target."""
+    """How many workers to restart with: what the cluster offers, between min_workers and the target."""
 
     def __init__(self, target: int, minimum: Optional[int], cpus_per_worker: float, use_gpu: bool) -> None:
         self.target, self.minimum = target, minimum or target
         self.cpus_per_worker, self.use_gpu = cpus_per_worker, use_gpu
 
-    def workers_for(self, free_cpus: float, free_gpus: float) -> int:
+    def fits(self, free_cpus: float, free_gpus: float) -> int:
+        """Workers the free resources hold (may be 0 or more than the target)."""
         fit = int(free_cpus // self.cpus_per_worker + 1e-9)
         if self.use_gpu:
             fit = min(fit, int(free_gpus))
-        return max(self.minimum, min(self.target, fit))
+        return fit
+
+    def workers_for(self, free_cpus: float, free_gpus: float) -> int:
+        return max(self.minimum, min(self.target, self.fits(free_cpus, free_gpus)))
+
+    def on_restart(self, free_cpus: float, free_gpus: float) -> Decision:
+        fit = self.fits(free_cpus, free_gpus)
+        n = self.workers_for(free_cpus, free_gpus)
+        offer = f"the cluster has room for {fit} worker(s)"
+        if fit >= self.target:
+            return Decision(Action.RESTART, f"{offer}: restart with all {self.target}", n)
+        if fit >= self.minimum:
+            return Decision(Action.RESIZE, f"{offer}: continue with {n} of {self.target} (min_workers="
+                                           f"{self.minimum})", n)
+        # Fewer than min_workers fit now: ask for min_workers and let the placement group wait
+        # (placement_timeout_s) for the cluster to free or add resources.
+        return Decision(Action.RESIZE if n < self.target else Action.RESTART,
+                        f"{offer}, fewer than min_workers={self.minimum}: wait for {n}", n)

@@ -1,4 +1,20 @@
-"""Progress of fit: a bar in a terminal or notebook, plain log lines otherwise; JSONL and Ray metrics."""
+"""Progress of fit: a bar in a terminal or notebook, plain log lines otherwise; JSONL and Ray metrics.
+
+[Note: progress output]
+- Attached to a terminal (stderr is a tty) or running in a Jupyter kernel: a tqdm bar with
+  steps, loss, step time and tokens/s (the notebook widget when ipywidgets is installed, the
+  text bar otherwise, so a notebook without ipywidgets does not warn).
+- Otherwise (a Ray job, a batch script, CI): INFO records of the ``zeroray`` logger, one for the
+  first step, every ``log_every``-th step and the last. When the application has configured
+  no logging at all, a stdout handler is attached to the ``zeroray`` logger so the lines show in
+  job logs; configured logging (a root handler) gets the records instead. ``zeroray`` logger
+  records below INFO are dropped unless the application sets that logger's level itself.
+- ``Trainer(metrics_path=...)``: one JSON record per step (step, loss, grad_norm, step_time_s,
+  tokens_per_s, skipped, time), appended and flushed as it happens.
+- Ray metrics: gauges ``zeroray_loss``, ``zeroray_step_time_s``, ``zeroray_tokens_per_s``
+  (``ray.util.metrics``), shown by the dashboard's metrics view when Prometheus scrapes it.
+Progress must never fail training: metric errors are logged once and otherwise ignored.
+"""
 from __future__ import annotations
 
 import json
@@ -6,9 +22,11 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 log = logging.getLogger("zeroray")
+
+GAUGES = ("loss", "step_time_s", "tokens_per_s")
 
 
 def _interactive() -> bool:
@@ -17,67 +35,101 @@ def _interactive() -> bool:
     return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
 
 
+def _tqdm():
+    """The notebook bar only where it can render (ipywidgets), else the text bar."""
+    if "ipykernel" in sys.modules:
+        try:
+            import ipywidgets  # noqa: F401
+            from tqdm.notebook import tqdm
+
+            return tqdm
+        except ImportError:
+            pass
+    from tqdm import tqdm
+
+    return tqdm
+
+
+def ensure_log_output() -> None:
+    """Make the ``zeroray`` logger's INFO records visible; see [Note: progress output]."""
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    if not log.hasHandlers():
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+
+
 class Progress:
     def __init__(self, total: Optional[int], initial: int = 0, metrics_path: Optional[str] = None,
                  tokens_per_step: Optional[int] = None, log_every: int = 10) -> None:
         self.total, self.tokens_per_step, self.log_every = total, tokens_per_step, log_every
+        self.done = 0  # steps of this fit
         self.bar = None
         if _interactive():
             try:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=total, initial=initial, desc="zeroray", dynamic_ncols=True)
+                self.bar = _tqdm()(total=total, initial=initial, desc="zeroray", unit="step", dynamic_ncols=True)
             except ImportError:
                 self.bar = None
+        if self.bar is None:
+            ensure_log_output()
         self.metrics_file = None
         if metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
             self.metrics_file = open(metrics_path, "a")
-        self._ray_metrics = None
+        self._ray_metrics: Optional[Dict[str, Any]] = None
         self._t_last = time.perf_counter()
 
-    def _gauges(self):
+    def _gauges(self) -> Dict[str, Any]:
         if self._ray_metrics is None:
             try:
                 from ray.util.metrics import Gauge
 
-                self._ray_metrics = {k: Gauge(f"zeroray_{k}", description=f"zeroray {k}")
-                                     for k in ("loss", "step_time_s", "tokens_per_s")}
-            except Exception:  # metrics need a connected Ray; progress must never fail training
+                self._ray_metrics = {k: Gauge(f"zeroray_{k}", description=f"zeroray training: {k} of the last step")
+                                     for k in GAUGES}
+            except Exception as error:  # noqa: BLE001 - metrics need a connected Ray
+                log.debug("zeroray: no Ray metrics (%s)", error)
                 self._ray_metrics = {}
         return self._ray_metrics
 
     def update(self, result: Any) -> None:
         now = time.perf_counter()
         dt, self._t_last = now - self._t_last, now
+        self.done += 1
         tps = self.tokens_per_step / dt if self.tokens_per_step and dt > 0 else None
         record = {"step": result.step, "loss": result.loss, "grad_norm": result.grad_norm,
-                  "step_time_s": result.step_time_s, "skipped": result.skipped, "time": time.time()}
-        if tps:
-            record["tokens_per_s"] = tps
+                  "step_time_s": result.step_time_s, "tokens_per_s": tps, "skipped": result.skipped,
+                  "time": time.time()}
         if self.bar is not None:
             self.bar.update(1)
-            post = {"loss": f"{result.loss:.4f}", "s/step": f"{result.step_time_s:.2f}"}
+            post = {"loss": f"{result.loss:.4f}", "s/step": f"{result.step_time_s:.3f}"}
             if tps:
                 post["tok/s"] = f"{tps:.0f}"
             self.bar.set_postfix(post)
-        elif result.step % self.log_every == 0 or (self.total and result.step >= self.total):
+        elif self.done == 1 or self.done % self.log_every == 0 or self.done == self.total:
+            of = f" ({self.done}/{self.total})" if self.total else ""
             extra = f" tokens/s {tps:.0f}" if tps else ""
-            print(f"zeroray step {result.step}{'/' + str(self.total) if self.total else ''} loss {result.loss:.4f} "
-                  f"step time {result.step_time_s:.3f}s{extra}", flush=True)
+            log.info("zeroray step %d%s loss %.4f step time %.3fs%s", result.step, of, result.loss,
+                     result.step_time_s, extra)
         if self.metrics_file is not None:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
-        for k, g in self._gauges().items():
-            if k in record:
-                g.set(record[k])
+        gauges = self._gauges()
+        if gauges:
+            try:
+                for k, gauge in gauges.items():
+                    if record.get(k) is not None:
+                        gauge.set(record[k])
+            except Exception as error:  # noqa: BLE001
+                log.warning("zeroray: Ray metrics disabled after an error: %s", error)
+                self._ray_metrics = {}
 
     def note(self, message: str) -> None:
-        if self.bar is not None:
+        """A warning during fit (a recovery): above the bar when nothing else would show it."""
+        if self.bar is not None and not log.hasHandlers():
             self.bar.write(message)
         else:
-            print(message, flush=True)
-        log.warning(message)
+            log.warning(message)
 
     def close(self) -> None:
         if self.bar is not None:

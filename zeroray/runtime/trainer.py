@@ -39,20 +39,13 @@ class StepResult:
 
 
 def _is_worker_failure(error: BaseException) -> bool:
-    """A dead or unreachable worker (restartable), as opposed to an error in user code or input."""
-    import ray.exceptions as rex
+    """A dead, unreachable or hung worker (restartable), as opposed to an error in user code or input.
 
-    kinds = tuple(k for k in (getattr(rex, n, None) for n in (
-        "RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
-        "NodeDiedError", "OwnerDiedError", "ObjectLostError")) if k is not None)
-    if isinstance(error, kinds):
-        return True
-    if isinstance(error, TimeoutError):
-        return True
-    text = str(error)
-    # A surviving rank whose peer died fails inside gloo; that is the peer's failure, not user error.
-    return isinstance(error, rex.RayTaskError) and ("Connection closed by peer" in text or "Gloo" in text
-                                                    and "Timed out" in text)
+    A surviving rank whose peer died fails inside gloo/NCCL; that is the peer's failure, not user
+    error. The classification lives with the group (worker_group.classify_error)."""
+    from zeroray.runtime.worker_group import classify_error
+
+    return classify_error(error) != "user"
 
 
 def _finalize(group_ref: List[Optional[WorkerGroup]]) -> None:
@@ -96,6 +89,8 @@ class Trainer:
         self.data_position = 0
         self._structure = None
         self._last_checkpoint: Optional[str] = None
+        self.last_recovery_s: Optional[float] = None  # fit: seconds from a worker failure to resuming
+        self.recoveries: List[Dict[str, Any]] = []     # fit: one record per restart (cause, timing, size)
         self._group_ref: List[Optional[WorkerGroup]] = [None]
         ensure_ray(self.scaling)
         self._start(self.scaling.num_workers)
@@ -159,6 +154,10 @@ class Trainer:
         shards = split_batch(batch, self.num_workers)
         refs = self._group.call_each("train_step", [(s,) for s in shards])
         results = self._group.wait_all(refs, self.zero.collective_timeout_s + 60, f"step {self.step_count}")
+        return self._record_step(results)
+
+    def _record_step(self, results: List[Dict[str, Any]]) -> StepResult:
+        """The StepResult of the workers' per-rank results (shared with Ray Data's runtime/data.py)."""
         self.step_count = results[0]["step"]
         r0 = results[0]
         return StepResult(loss=sum(r["loss"] for r in results) / len(results), grad_norm=r0["grad_norm"],

@@ -36,6 +36,7 @@ class Worker:
         self.group = None
         self._lock = threading.Lock()
         self.last_step_time = 0.0
+        self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/data.py)
 
     # --- wiring ----------------------------------------------------------------------------
 
@@ -54,6 +55,14 @@ class Worker:
 
     def ping(self) -> int:
         return self.rank
+
+    def progress(self) -> Dict[str, Any]:
+        """How far this rank got in the current step; answered on the second thread while a step
+        runs, so the driver can name the ranks that did not reach a collective."""
+        counter = self.group.counter if self.group is not None else None
+        calls = sum(s.calls for s in list(counter.collectives.values())) if counter is not None else 0
+        return {"rank": self.rank, "step": self.engine.step_count if self.engine is not None else None,
+                "collectives": calls, "busy": self._lock.locked()}
 
     def setup(self, spec: Dict[str, Any], master_addr: str, master_port: int) -> Dict[str, Any]:
         """Join the collective group and build this rank's engine."""
@@ -83,6 +92,29 @@ class Worker:
         self.last_step_time = stats.time_s
         return {"loss": stats.loss, "grad_norm": stats.grad_norm, "step": stats.step, "skipped": stats.skipped,
                 "loss_scale": stats.loss_scale, "time_s": stats.time_s}
+
+    # --- Ray Data input (runtime/data.py) ------------------------------------------------------
+
+    def attach_data(self, split: Any, batch_size: int, skip: int, feed_id: str) -> Dict[str, Any]:
+        """Take this rank's split of a ray.data.Dataset; skip ``skip`` local batches, read one ahead."""
+        from zeroray.runtime.data import LocalFeed
+
+        self.feed = LocalFeed(split, batch_size, skip, feed_id)
+        return self.feed.peek_info()
+
+    def train_next(self) -> Dict[str, Any]:
+        """One step on this rank's next local batch; says whether another one follows."""
+        if self.feed is None:
+            raise RuntimeError("train_next: no Ray Data split is attached to this worker")
+        out = self.train_step(self.feed.take())
+        self.feed.advance()
+        out["has_next"] = self.feed.has_next()
+        return out
+
+    def detach_data(self, feed_id: str) -> None:
+        # By id: on this threaded actor a late detach of the last fit must not drop the next fit's split.
+        if self.feed is not None and self.feed.feed_id == feed_id:
+            self.feed = None
 
     # --- inspection ------------------------------------------------------------------------
 

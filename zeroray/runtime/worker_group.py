@@ -20,9 +20,67 @@ from zeroray.runtime.worker import Worker
 
 log = logging.getLogger("zeroray")
 
+# How long wait_all keeps listening for the other workers after the first error: long enough
+# for Ray to report a killed actor (well under a second), short enough to fail fast.
+_FAILURE_GRACE_S = 5.0
+
 
 class PlacementError(RuntimeError):
-    pass
+    """The cluster cannot offer the placement group within ``placement_timeout_s``."""
+
+
+class WorkerSetupError(RuntimeError):
+    """Building a worker's model or engine failed (model_fn, the optimizer spec, the collective group)."""
+
+
+class WorkerGroupError(RuntimeError):
+    """The group cannot continue: a worker died, a peer connection broke or a collective hung.
+
+    Raised on the driver after the group was torn down; fit restarts on it (FailureConfig).
+    ``ranks`` are the workers to blame (dead, or did not arrive); ``cause`` the first error seen.
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int] = (), cause: Optional[BaseException] = None) -> None:
+        super().__init__(message)
+        self.ranks, self.cause = list(ranks), cause
+
+
+class WorkerDiedError(WorkerGroupError):
+    """A worker's process or node is gone."""
+
+
+class CollectiveTimeoutError(WorkerGroupError, TimeoutError):
+    """A collective did not complete within ZeroConfig.collective_timeout_s."""
+
+
+# Text of the errors a surviving rank raises when its peer vanished (gloo over TCP, NCCL).
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+              "socket closed", "nccl communicator was aborted", "ncclremoteerror")
+_TIMED_OUT = ("timed out waiting", "watchdog caught collective operation timeout", "operation timed out")
+
+
+def classify_error(error: BaseException) -> str:
+    """'died' (the worker is gone), 'peer' (its peer vanished), 'timeout' (a collective hung) or 'user'."""
+    import ray.exceptions as rex
+
+    died = tuple(k for k in (getattr(rex, n, None) for n in (
+        "RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
+        "NodeDiedError", "OwnerDiedError", "ObjectLostError", "ActorPlacementGroupRemoved")) if k is not None)
+    if isinstance(error, WorkerDiedError) or isinstance(error, died):
+        return "died"
+    if isinstance(error, (CollectiveTimeoutError, TimeoutError)):
+        return "timeout"
+    if isinstance(error, WorkerGroupError):
+        return "peer"
+    if isinstance(error, rex.RayTaskError):
+        # Only the worker's own exception message counts, not the traceback around it.
+        cause = getattr(error, "cause", None)
+        text = (str(cause) if cause is not None else (str(error).strip().splitlines() or [""])[-1]).lower()
+        if any(k in text for k in _PEER_LOST):
+            return "peer"
+        if any(k in text for k in _TIMED_OUT):
+            return "timeout"
+    return "user"
 
 
 def ensure_ray(scaling: ScalingConfig) -> None:
@@ -39,6 +97,19 @@ def ensure_ray(scaling: ScalingConfig) -> None:
              logging_level=logging.WARNING, configure_logging=True)
 
 
+def _setup_error(error: "ray.exceptions.RayTaskError") -> Exception:
+    """The worker's own error, with its traceback, as the error of Trainer construction."""
+    cause = getattr(error, "cause", None)
+    what = f"{type(cause).__name__}: {cause}" if cause is not None else str(error).strip().splitlines()[-1]
+    message = (f"setting up the workers failed: {what}\n"
+               "Every worker calls torch.manual_seed(seed), model_fn(), builds the optimizer from its spec "
+               "and joins the collective group; fix the error above (the worker's traceback follows). "
+               "No actors were left running.\n--- worker traceback ---\n"
+               f"{getattr(error, 'traceback_str', '') or str(error)}")
+    # A user error keeps its type (ValueError for bad input), anything else is a WorkerSetupError.
+    return ValueError(message) if isinstance(cause, ValueError) else WorkerSetupError(message)
+
+
 def _cluster_offer() -> str:
     total = ray.cluster_resources()
     free = ray.available_resources()
@@ -53,6 +124,9 @@ class WorkerGroup:
         self.num_workers = num_workers
         self.pg = None
         self.actors: List[Any] = []
+        self.nodes: List[Dict[str, Any]] = []
+        self.failed: Optional[str] = None  # why the group was torn down after a failure
+        self.collective_timeout_s = spec["zero"].collective_timeout_s
         bundle = {"CPU": scaling.cpus_per_worker}
         if scaling.use_gpu:
             bundle["GPU"] = 1
@@ -61,10 +135,12 @@ class WorkerGroup:
         if not ready:
             remove_placement_group(self.pg)
             self.pg = None
+            wanted = ", ".join(f"{k} {v * num_workers:g}" for k, v in bundle.items())
             raise PlacementError(
-                f"could not place {num_workers} worker(s) of {bundle} with strategy {scaling.placement_strategy} "
-                f"within placement_timeout_s={scaling.placement_timeout_s:g}: {_cluster_offer()}. Ask for fewer "
-                "workers (ScalingConfig.num_workers), fewer CPUs per worker (cpus_per_worker), or add nodes.")
+                f"could not place {num_workers} worker(s) of {bundle} each ({wanted} in all, strategy "
+                f"{scaling.placement_strategy}) within placement_timeout_s={scaling.placement_timeout_s:g}: "
+                f"{_cluster_offer()}. Ask for fewer workers (ScalingConfig.num_workers), fewer CPUs per worker "
+                "(cpus_per_worker), or add nodes.")
         threads = scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
         actor_cls = ray.remote(Worker)
         try:
@@ -80,17 +156,27 @@ class WorkerGroup:
             master_port = ray.get(self.actors[0].free_port.remote())
             spec = dict(spec, group_name=f"zr-{uuid.uuid4().hex[:8]}")
             self.setup_info = ray.get([a.setup.remote(spec, master_addr, master_port) for a in self.actors])
-        except BaseException:
+        except BaseException as error:
             self.shutdown()
+            if isinstance(error, ray.exceptions.RayTaskError):
+                raise _setup_error(error) from error
             raise
 
     def call(self, method: str, *args: Any, ranks: Optional[Sequence[int]] = None, **kwargs: Any) -> List[Any]:
         """Start ``method`` on every actor (or ``ranks``); returns object refs."""
+        self._check_usable()
         actors = self.actors if ranks is None else [self.actors[r] for r in ranks]
         return [getattr(a, method).remote(*args, **kwargs) for a in actors]
 
     def call_each(self, method: str, per_rank_args: Sequence[Sequence[Any]]) -> List[Any]:
+        self._check_usable()
         return [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
+
+    def _check_usable(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"this worker group failed and was shut down ({self.failed}); build a new Trainer, "
+                               "or zr.Trainer.restore(...) from a checkpoint (fit does this by itself with "
+                               "FailureConfig(max_failures>0) and CheckpointConfig(every_steps=...))")
 
     def shutdown(self) -> None:
         for actor in self.actors:
@@ -107,16 +193,121 @@ class WorkerGroup:
             self.pg = None
 
     def wait_all(self, refs: List[Any], timeout_s: Optional[float], what: str) -> List[Any]:
-        """ray.get with a deadline that names the workers that did not finish."""
+        """ray.get of one call per worker (refs in rank order), failing fast and saying who failed.
+
+        See [Note: failure detection]. Returns the results in order, or raises: the user's own
+        error (the worker's exception, traceback included), WorkerDiedError, CollectiveTimeoutError
+        or WorkerGroupError. After anything that leaves the workers out of step with each other
+        (a death, a hung collective, an error on some ranks while others still wait in a
+        collective) the group is shut down first, so nothing stays blocked.
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        rank_of = {ref: i for i, ref in enumerate(refs)}
+        results: Dict[int, Any] = {}
+        errors: Dict[int, BaseException] = {}
         pending = list(refs)
+        first_error_at = None
         while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, 1.0) if left is not None else 1.0)
+            now = time.monotonic()
+            if first_error_at is not None and now - first_error_at >= _FAILURE_GRACE_S:
+                break
+            if deadline is not None and now >= deadline:
+                break
+            wait_s = 1.0 if deadline is None else min(1.0, deadline - now)
+            if first_error_at is not None:
+                wait_s = min(wait_s, _FAILURE_GRACE_S - (now - first_error_at))
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(wait_s, 0.01))
             for ref in done:
-                ray.get(ref)  # raises the worker's error (or RayActorError) at once
-            if pending and deadline is not None and time.monotonic() >= deadline:
-                late = [refs.index(r) for r in pending]
-                raise TimeoutError(f"{what}: worker(s) {late} did not finish within {timeout_s:g} s "
-                                   "(collective_timeout_s); a collective is stuck or a worker is hung")
-        return ray.get(refs)
+                try:
+                    results[rank_of[ref]] = ray.get(ref)
+                except Exception as error:  # noqa: BLE001 - analysed below
+                    errors[rank_of[ref]] = error
+                    if first_error_at is None:
+                        first_error_at = time.monotonic()
+        if not errors and not pending:
+            return [results[i] for i in range(len(refs))]
+        self._fail(errors, [rank_of[r] for r in pending], what, timeout_s)
+        raise AssertionError("unreachable")
+
+    def _fail(self, errors: Dict[int, BaseException], pending: List[int], what: str,
+              timeout_s: Optional[float]) -> None:
+        kinds = {rank: classify_error(e) for rank, e in errors.items()}
+        dead = sorted(r for r, k in kinds.items() if k == "died")
+        if dead:
+            cause = errors[dead[0]]
+            message = (f"{what}: worker(s) {self._describe(dead)} died: {_first_line(cause)}. "
+                       "The worker group was shut down; fit restarts from the last checkpoint when "
+                       "FailureConfig(max_failures) allows it")
+            self._tear_down(message)
+            raise WorkerDiedError(message, dead, cause) from cause
+        broken = sorted(r for r, k in kinds.items() if k in ("peer", "timeout"))
+        if broken or not errors:  # a collective failed, or nothing came back before the deadline
+            late = self._late_ranks(pending)
+            timed_out = [r for r in broken if kinds[r] == "timeout"]
+            cause = errors[broken[0]] if broken else None
+            if timed_out or not errors:
+                limit = f"collective_timeout_s={self.collective_timeout_s:g} s"
+                message = (f"{what}: a collective did not complete within {limit}: worker(s) "
+                           f"{self._describe(late) if late else '(unknown)'} did not arrive"
+                           f"{f'; worker(s) {self._describe(timed_out)} waited for them and timed out' if timed_out else ''}"
+                           ". Every worker must run the same forward/backward (same modules, same number of "
+                           "micro-batches); if one is just slow (data loading, a long first step), raise "
+                           "ZeroConfig(collective_timeout_s=...). The worker group was shut down")
+                self._tear_down(message)
+                raise CollectiveTimeoutError(message, late, cause) from cause
+            message = (f"{what}: worker(s) {self._describe(broken)} lost the connection to a peer "
+                       f"({_first_line(cause)}); worker(s) {self._describe(late) if late else '(unknown)'} "
+                       "probably died or became unreachable. The worker group was shut down")
+            self._tear_down(message)
+            raise WorkerGroupError(message, late, cause) from cause
+        # Errors from user code or input: raise the first one as it is (its type and worker traceback).
+        error = errors[min(errors)]
+        if pending:  # the others wait in a collective for the ranks that failed: the group is out of step
+            message = (f"worker(s) {sorted(errors)} raised during {what} while worker(s) {pending} still waited "
+                       "in a collective")
+            self._tear_down(message)
+            error.add_note(f"zeroray: {message}, so the worker group was shut down: build a new Trainer or "
+                           "zr.Trainer.restore(...) from a checkpoint")
+        raise error
+
+    def _late_ranks(self, pending: List[int]) -> List[int]:
+        """Ranks that did not reach the collective the others are in: fewest collectives issued this step."""
+        refs = {}
+        for rank, actor in enumerate(self.actors):
+            try:
+                refs[rank] = actor.progress.remote()
+            except Exception:  # noqa: BLE001 - a dead actor has no progress
+                pass
+        progress = {}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=5.0)
+        for rank, ref in refs.items():
+            if ref in ready:
+                try:
+                    p = ray.get(ref)
+                    progress[rank] = (p["step"] or 0, p["collectives"])
+                except Exception:  # noqa: BLE001
+                    pass
+        if len(set(progress.values())) > 1:
+            ahead = max(progress.values())
+            return sorted(r for r, p in progress.items() if p < ahead)
+        return sorted(pending)
+
+    def _describe(self, ranks: Sequence[int]) -> str:
+        where = []
+        for r in ranks:
+            node = self.nodes[r] if r < len(getattr(self, "nodes", [])) else None
+            where.append(f"{r} (pid {node['pid']} on {node['ip']})" if node else str(r))
+        return "[" + ", ".join(where) + "]"
+
+    def _tear_down(self, reason: str) -> None:
+        log.warning("zeroray: %s; shutting the worker group down", reason)
+        self.failed = reason
+        self.shutdown()
+
+
+def _first_line(error: Optional[BaseException]) -> str:
+    if error is None:
+        return "no error"
+    cause = getattr(error, "cause", None)
+    text = str(cause if cause is not None else error).strip()
+    return f"{type(cause if cause is not None else error).__name__}: {text.splitlines()[0] if text else ''}"

@@ -1,0 +1,118 @@
+"""Bad input: every mistake gets an error that says what was wrong and what to do.
+
+Configuration values are covered field by field in tests/unit/test_config.py; here the
+mistakes that need the Trainer (and its workers) to show up. Each test adds its rows to
+``TABLE``; run with ``-s`` to print the table of inputs and messages at the end.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+import zeroray as zr
+from tests.models import VOCAB, lm_loss, make_batches, parity_model
+from tests.ray.test_shutdown import live_actors, live_placement_groups
+from zeroray.engine import StepError
+from zeroray.runtime.worker_group import WorkerSetupError
+
+TABLE = []
+NAN_MARK, VECTOR_MARK = VOCAB - 1, VOCAB - 2  # a batch made only of this token makes picky_loss misbehave
+
+
+def _record(what, error):
+    # A worker's error (RayTaskError) carries its traceback; the table shows the error itself.
+    cause = getattr(error, "cause", None)
+    shown = cause if cause is not None else error
+    TABLE.append((what, type(shown).__name__, str(shown).strip().splitlines()[0]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_table():
+    yield
+    print("\n\n| bad input | error | message |\n| --- | --- | --- |")
+    for what, kind, message in TABLE:
+        print(f"| {what} | {kind} | {message} |")
+
+
+def picky_loss(model, batch):
+    idx, _ = batch
+    loss = lm_loss(model, batch)
+    if bool((idx == NAN_MARK).all()):
+        return loss * float("nan")
+    if bool((idx == VECTOR_MARK).all()):
+        return loss.expand(idx.shape[0])  # one loss per row: not reduced to a scalar
+    return loss
+
+
+def broken_model():
+    raise RuntimeError("cannot build the model: vocab file 'vocab.json' not found")
+
+
+def frozen_model():
+    model = nn.Linear(4, 4)
+    model.requires_grad_(False)
+    return model
+
+
+def _marked(mark, seed=5):
+    idx, tgt = make_batches(1, seed=seed)[0]
+    return torch.full_like(idx, mark), tgt
+
+
+def test_invalid_optimizer_spec():
+    """Checked on the driver before any worker starts (no Ray needed)."""
+    for what, spec, match in [("optimizer='adam'", "adam", "pass zr.AdamW"),
+                              ("optimizer=torch.optim.Adam (the class)", torch.optim.Adam, "is a class"),
+                              ("zr.AdamW(lr=-1)", None, "AdamW.lr=-1")]:
+        with pytest.raises(ValueError, match=match) as info:
+            zr.Trainer(parity_model, lm_loss, optimizer=spec if spec is not None else zr.AdamW(lr=-1))
+        _record(what, info.value)
+    with pytest.raises(ValueError, match="loss_fn must be a callable") as info:
+        zr.Trainer(parity_model, "cross_entropy")
+    _record("loss_fn='cross_entropy'", info.value)
+
+
+def test_model_fn_raising_shows_worker_traceback(ray_local):
+    actors, pgs = live_actors(), live_placement_groups()
+    with pytest.raises(WorkerSetupError) as info:
+        zr.Trainer(broken_model, lm_loss, scaling=zr.ScalingConfig(num_workers=2))
+    message = str(info.value)
+    assert "RuntimeError: cannot build the model: vocab file 'vocab.json' not found" in message
+    assert "worker traceback" in message and "in broken_model" in message  # the worker's own frames
+    assert live_actors() <= actors and live_placement_groups() <= pgs  # nothing left running
+    _record("model_fn raising RuntimeError", info.value)
+
+
+def test_model_without_trainable_parameters(ray_local):
+    with pytest.raises(ValueError, match="no trainable parameters") as info:
+        zr.Trainer(frozen_model, lm_loss, scaling=zr.ScalingConfig(num_workers=1))
+    _record("model with every parameter requires_grad=False", info.value)
+
+
+def test_bad_batches_and_bad_losses(ray_local):
+    batches = make_batches(2)
+    with zr.Trainer(parity_model, picky_loss, zero=zr.ZeroConfig(stage=3),
+                    scaling=zr.ScalingConfig(num_workers=2)) as trainer:
+        trainer.step(batches[0])
+
+        idx, tgt = batches[1]
+        with pytest.raises(ValueError, match="13 rows, which does not split evenly over 2 worker") as info:
+            trainer.step((torch.cat([idx, idx[:1]]), torch.cat([tgt, tgt[:1]])))
+        _record("global batch of 13 rows on 2 workers", info.value)
+
+        with pytest.raises(ValueError, match="step 1: the batch structure changed") as info:
+            trainer.step((idx[:, :3], tgt[:, :3]))
+        _record("batch rows of shape (3,) after (5,)", info.value)
+        with pytest.raises(ValueError, match="step 1: the batch structure changed") as info:
+            trainer.step([idx, tgt, tgt])
+        _record("a 3-element batch after 2-element ones", info.value)
+
+        with pytest.raises(StepError, match=r"step 1: loss_fn returned a non-finite loss \(nan\)") as info:
+            trainer.step(_marked(NAN_MARK))
+        _record("loss_fn returning nan (fp32)", info.value)
+
+        # The rejected steps changed nothing: training continues.
+        assert trainer.step(batches[1]).step == 2
+
+        with pytest.raises(StepError, match=r"step 2: loss_fn must return a scalar tensor .* got \(6,\)") as info:
+            trainer.step(_marked(VECTOR_MARK))
+        _record("loss_fn returning a per-row loss of shape (6,)", info.value)

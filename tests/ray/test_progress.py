@@ -1,0 +1,80 @@
+"""fit's progress: log lines or a bar, the JSONL metrics file, Ray gauges, the `zeroray` logger.
+
+These drive `Progress` directly with step results (no actors); tests/ray/test_ray_data.py checks
+the same outputs from a real `fit`.
+"""
+import json
+import logging
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from zeroray.runtime import progress as progress_mod
+from zeroray.runtime.progress import Progress
+
+
+class FakeGauge:
+    def __init__(self):
+        self.values = []
+
+    def set(self, value):
+        self.values.append(value)
+
+
+def _results(n, first_step=101):
+    return [SimpleNamespace(step=first_step + i, loss=2.0 - 0.1 * i, grad_norm=1.0, step_time_s=0.01,
+                            skipped=False) for i in range(n)]
+
+
+def test_log_lines_jsonl_and_gauges(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(progress_mod, "_interactive", lambda: False)
+    caplog.set_level(logging.INFO, logger="zeroray")
+    path = tmp_path / "run" / "metrics.jsonl"
+    bar = Progress(12, metrics_path=str(path), tokens_per_step=640)
+    gauges = {k: FakeGauge() for k in progress_mod.GAUGES}
+    bar._ray_metrics = gauges
+    for r in _results(12):
+        bar.update(r)
+    bar.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "zeroray"]
+    # The first step, every 10th and the last; counted within this fit, the global step shown too.
+    assert [line.split(" loss")[0] for line in lines] == [
+        "zeroray step 101 (1/12)", "zeroray step 110 (10/12)", "zeroray step 112 (12/12)"]
+    assert all("step time" in line and "tokens/s" in line for line in lines)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(101, 113))
+    for r in records:
+        assert r["loss"] > 0 and r["step_time_s"] == 0.01 and r["tokens_per_s"] > 0
+    assert gauges["loss"].values[-1] == pytest.approx(0.9) and len(gauges["tokens_per_s"].values) == 12
+
+
+def test_bar_when_interactive(monkeypatch, capsys):
+    monkeypatch.setattr(progress_mod, "_interactive", lambda: True)
+    bar = Progress(3, tokens_per_step=100)
+    bar._ray_metrics = {}
+    for r in _results(3):
+        bar.update(r)
+    assert bar.bar is not None and bar.bar.n == 3
+    bar.close()
+    err = capsys.readouterr().err
+    assert "3/3" in err and "loss=" in err and "tok/s=" in err and "s/step=" in err
+
+
+def test_plain_lines_reach_stdout_without_logging_config():
+    # A fresh interpreter with no logging configured, stderr not a tty: what a Ray job's driver sees.
+    code = ("from types import SimpleNamespace as S; from zeroray.runtime.progress import Progress\n"
+            "p = Progress(2); p._ray_metrics = {}\n"
+            "[p.update(S(step=i, loss=1.5, grad_norm=1.0, step_time_s=0.2, skipped=False)) for i in (1, 2)]\n"
+            "p.note('a note'); p.close()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "zeroray step 1 (1/2) loss 1.5000 step time 0.200s" in out.stdout
+    assert "zeroray step 2 (2/2)" in out.stdout and "a note" in out.stdout
+
+
+def test_zeroray_logger():
+    assert progress_mod.log is logging.getLogger("zeroray")
+    from zeroray.runtime import fit_loop, trainer
+
+    assert fit_loop.log is trainer.log is progress_mod.log

@@ -1,0 +1,107 @@
+"""Config validation: every bad value raises a ValueError that names the field and what is allowed."""
+import math
+
+import pytest
+
+import zeroray as zr
+from zeroray.config import validate_optimizer
+
+NAN = float("nan")
+
+BAD = [
+    # (config class, field, bad value, words the message must contain)
+    (zr.ZeroConfig, "stage", 4, "choose 0"),
+    (zr.ZeroConfig, "stage", -1, "choose 0"),
+    (zr.ZeroConfig, "stage", 1.0, "choose 0"),
+    (zr.ZeroConfig, "stage", True, "choose 0"),
+    (zr.ZeroConfig, "dtype", "float16", "fp16"),
+    (zr.ZeroConfig, "reduce_dtype", "int8", "fp32"),
+    (zr.ZeroConfig, "bucket_bytes", 0, "positive number of bytes"),
+    (zr.ZeroConfig, "bucket_bytes", -4096, "positive number of bytes"),
+    (zr.ZeroConfig, "bucket_bytes", 1.5e6, "positive number of bytes"),
+    (zr.ZeroConfig, "prefetch_bytes", 0, "positive number of bytes"),
+    (zr.ZeroConfig, "max_live_bytes", -1, "positive number of bytes"),
+    (zr.ZeroConfig, "reuse_distance", -1, ">= 0"),
+    (zr.ZeroConfig, "grad_accum_steps", 0, ">= 1"),
+    (zr.ZeroConfig, "grad_accum_steps", 2.0, ">= 1"),
+    (zr.ZeroConfig, "max_grad_norm", 0.0, "> 0"),
+    (zr.ZeroConfig, "max_grad_norm", NAN, "> 0"),
+    (zr.ZeroConfig, "initial_loss_scale", -1.0, "> 0"),
+    (zr.ZeroConfig, "min_loss_scale", 0, "> 0"),
+    (zr.ZeroConfig, "loss_scale_growth_factor", 1.0, "> 1"),
+    (zr.ZeroConfig, "loss_scale_backoff_factor", 1.5, "(0, 1)"),
+    (zr.ZeroConfig, "loss_scale_growth_interval", 0, ">= 1"),
+    (zr.ZeroConfig, "activation_checkpointing", "blocks", "nn.Module classes"),
+    (zr.ZeroConfig, "activation_checkpointing", (1, 2), "nn.Module classes"),
+    (zr.ZeroConfig, "collective_timeout_s", 0, "> 0"),
+    (zr.ZeroConfig, "collective_timeout_s", math.inf, "> 0"),
+    (zr.ScalingConfig, "num_workers", 0, ">= 1"),
+    (zr.ScalingConfig, "num_workers", -2, ">= 1"),
+    (zr.ScalingConfig, "num_workers", 2.5, ">= 1"),
+    (zr.ScalingConfig, "use_gpu", "yes", "True or False"),
+    (zr.ScalingConfig, "cpus_per_worker", 0, "> 0"),
+    (zr.ScalingConfig, "min_workers", 0, ">= 1"),
+    (zr.ScalingConfig, "placement_strategy", "pack", "PACK"),
+    (zr.ScalingConfig, "placement_timeout_s", -1, "> 0"),
+    (zr.ScalingConfig, "threads_per_worker", 0, ">= 1"),
+    (zr.FailureConfig, "max_failures", -1, ">= 0"),
+    (zr.FailureConfig, "max_failures", 1.5, ">= 0"),
+    (zr.CheckpointConfig, "path", "", "non-empty"),
+    (zr.CheckpointConfig, "keep", 0, ">= 1"),
+    (zr.AdamW, "lr", -1e-3, ">= 0"),
+    (zr.AdamW, "lr", NAN, ">= 0"),
+    (zr.AdamW, "betas", (0.9, 1.0), "[0, 1)"),
+    (zr.AdamW, "betas", 0.9, "[0, 1)"),
+    (zr.AdamW, "eps", 0, "> 0"),
+    (zr.AdamW, "weight_decay", -0.1, ">= 0"),
+    (zr.Adam, "lr", "0.001", ">= 0"),
+    (zr.SGD, "lr", -1, ">= 0"),
+    (zr.SGD, "momentum", -0.9, ">= 0"),
+    (zr.SGD, "dampening", -1, ">= 0"),
+    (zr.SGD, "weight_decay", -1, ">= 0"),
+]
+
+
+@pytest.mark.parametrize("cls, field, value, words", BAD,
+                         ids=[f"{c.__name__}.{f}={v!r}" for c, f, v, _ in BAD])
+def test_bad_value_names_the_field(cls, field, value, words):
+    with pytest.raises(ValueError) as info:
+        cls(**{field: value})
+    message = str(info.value)
+    assert f"{cls.__name__}.{field}=" in message, message
+    assert words in message, message
+
+
+def test_cross_field_rules_name_the_field():
+    with pytest.raises(ValueError, match=r"ScalingConfig\.min_workers=3 .*<= num_workers \(2\)"):
+        zr.ScalingConfig(num_workers=2, min_workers=3)
+    with pytest.raises(ValueError, match=r"CheckpointConfig\.every_steps=10 .*set CheckpointConfig\.path"):
+        zr.CheckpointConfig(every_steps=10)
+    with pytest.raises(ValueError, match=r"SGD\.nesterov=True .*momentum > 0"):
+        zr.SGD(nesterov=True)
+
+
+def test_defaults_and_good_values_pass():
+    zr.ZeroConfig()
+    zr.ZeroConfig(stage=0, dtype="bf16", reduce_dtype="fp32", max_grad_norm=1.0, activation_checkpointing=True)
+    zr.ScalingConfig(num_workers=4, min_workers=2, cpus_per_worker=0.5, use_gpu=True)
+    zr.FailureConfig(max_failures=0)
+    zr.CheckpointConfig(path="ckpts/", every_steps=5, keep=1)
+    zr.SGD(lr=0.1, momentum=0.9, nesterov=True)
+
+
+def test_configs_are_frozen_and_keyword_only():
+    config = zr.ZeroConfig(stage=2)
+    with pytest.raises(Exception):
+        config.stage = 3
+    with pytest.raises(TypeError):
+        zr.ZeroConfig(2)
+
+
+@pytest.mark.parametrize("spec, words", [("adamw", "pass zr.AdamW"), (3e-4, "pass zr.AdamW"),
+                                         (zr.AdamW.__mro__[0], "is a class")])
+def test_invalid_optimizer_spec(spec, words):
+    with pytest.raises(ValueError, match=words):
+        validate_optimizer(spec)
+    validate_optimizer(zr.SGD(lr=0.1))
+    validate_optimizer(lambda params: None)  # any callable params -> Optimizer (checked when built)
