@@ -6,70 +6,130 @@ engine.py for which tensors exist at which stage.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 
 from zeroray import memory
 
 
-def _nbytes(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+def _storages(tensors) -> Dict[int, int]:
+    """Distinct storages among ``tensors``: data pointer -> bytes it holds. Views of one storage
+    (the parameters of stages 0-2 in their arena, the fp32 master that *is* the parameter
+    shard) count once; a freed stage-3 unit buffer (storage resized to 0) counts nothing."""
+    out: Dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            out[storage.data_ptr()] = storage.nbytes()
+    return out
 
 
-def _optimizer_state_bytes(engine) -> int:
-    total = 0
-    for state in engine.optimizer.inner.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and v.numel() > 1:
-                total += _nbytes(v)
-    return total
+def _optimizer_state_tensors(engine) -> List[torch.Tensor]:
+    return [v for state in engine.optimizer.inner.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
 
 
 def measure(engine) -> Dict[str, Any]:
-    zero, layout, fp32 = engine.zero, engine.layout, engine.dtype == torch.float32
+    """Bytes of the storages the engine holds, by category; see the module docstring.
+
+    params: full parameter buffers (stages 0-2: the arena; stage 3: unit buffers gathered at
+        the time of the call, normally none between steps) and the local parameter shard.
+    grads: the fp32 gradient (full at stage 0, the shard otherwise).
+    optimizer: the fp32 master (when it is not the parameter tensor itself, i.e. in mixed
+        precision) and the inner optimizer's state tensors.
+    Call it after a step: the optimizer allocates its state on the first one.
+    """
+    zero, layout = engine.zero, engine.layout
     buffers = engine.buffers
-    params = _nbytes(buffers.arena) if buffers.persistent else 0
-    if engine.param_shard is not None and not (fp32 and engine.param_shard is engine.master):
-        params += _nbytes(engine.param_shard)
-    if engine.param_shard is not None and fp32 and engine.param_shard is engine.master:
-        params += _nbytes(engine.master)  # fp32 stages 1-3: the master *is* the parameter shard
-    master = 0 if fp32 else _nbytes(engine.master)
-    if fp32 and zero.stage == 0:
-        master = 0  # the arena is the master
-    grads = _nbytes(engine.grad)
-    optim = _optimizer_state_bytes(engine) + master
+    param_st = _storages(list(buffers.full) + [buffers.arena, engine.param_shard])
+    grad_st = {k: v for k, v in _storages([engine.grad]).items() if k not in param_st}
+    optim_st = {k: v for k, v in _storages([engine.master] + _optimizer_state_tensors(engine)).items()
+                if k not in param_st and k not in grad_st}
     stats = engine.coordinator.stats if engine.coordinator is not None else {}
     buckets = engine.reducer.buffer_bytes() + (engine.gatherer.buffer_bytes() if engine.gatherer else 0)
-    measured = {"params": params, "grads": grads, "optimizer": optim}
-    estimate = expected_model_state(engine)
+    measured = {"params": sum(param_st.values()), "grads": sum(grad_st.values()),
+                "optimizer": sum(optim_st.values())}
+    paper = memory.model_state_bytes(layout.numel, engine.world_size, zero.stage, zero.dtype,
+                                     _optimizer_for_estimate(engine))
     return {"stage": zero.stage, "dtype": zero.dtype, "num_workers": engine.world_size,
             "measured": {**measured, "total": sum(measured.values())},
-            "estimate": estimate,
+            "estimate": expected_model_state(engine),
+            "paper": {"params": paper.params, "grads": paper.grads, "optimizer": paper.optimizer,
+                      "total": paper.total},
             "gathered_params_peak": stats.get("peak_gathered_bytes", 0),
             "bucket_buffers": buckets,
             "activations_peak": getattr(engine, "activation_peak_bytes", None),
             "num_params": layout.numel, "padded_numel": layout.full_numel}
 
 
-def expected_model_state(engine) -> Dict[str, int]:
-    """The paper's per-stage formulas (zeroray.memory), with padding, plus zeroray's documented
-    deviations: stages 1-2 keep a local parameter shard as the all-gather source, and the
-    reduced gradient (shard, or full at stage 0) is fp32 (reduce target of the optimizer)."""
-    zero, layout = engine.zero, engine.layout
-    W, padded = engine.world_size, layout.full_numel
-    elem = torch.tensor([], dtype=engine.dtype).element_size()
+def _optimizer_for_estimate(engine) -> Any:
+    """The optimizer as zeroray.memory understands it: our specs say their state size; for a
+    custom callable, the fp32 state values per element are read off what it allocated."""
     try:
-        k = memory.optimizer_state_bytes_per_param(engine.optimizer_spec, zero.dtype)
-    except (ValueError, TypeError):  # a custom callable: count what it actually allocated
-        k = _optimizer_state_bytes(engine) // max(engine.master.numel(), 1) + (0 if elem == 4 else 4)
-    full_params = elem * padded
-    shard = padded // W
-    if zero.stage == 0:
-        params, grads, optim = full_params, 4 * padded, k * padded
-    elif zero.stage in (1, 2):
-        params = full_params + elem * shard
-        grads, optim = 4 * shard, k * shard
-    else:
-        params, grads, optim = elem * shard, 4 * shard, k * shard
-    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+        memory.optimizer_state_bytes_per_param(engine.optimizer_spec, engine.zero.dtype)
+        return engine.optimizer_spec
+    except ValueError:
+        state = sum(_storages(_optimizer_state_tensors(engine)).values())
+        return state // max(4 * engine.master.numel(), 1)
+
+
+def expected_model_state(engine) -> Dict[str, int]:
+    """zeroray.memory's formulas for this engine's configuration: the paper's per-stage model
+    (see [Note: model states] in memory.py) on the engine's padded layout, with zeroray's
+    documented deviations from the paper ([Note: stage data flow] in engine.py):
+
+    - padding: every unit is padded to a multiple of the world size (arena.py), so the
+      replicated terms count ``layout.full_numel`` and the sharded ones ``full_numel / W``;
+    - the reduced gradient is fp32 in every dtype (``grad_dtype="fp32"``): it is the fp32
+      master's gradient, where the paper keeps a 16-bit gradient;
+    - stage 1 reduce-scatters gradients out of the buckets as backward produces them, as stage 2
+      does, so it holds the gradient *shard*, not the paper's full gradient (with
+      ``grad_accum_steps > 1`` autograd holds full local gradients between micro-batches);
+    - stages 1-2 keep a local parameter shard in the compute dtype as the all-gather source
+      (in fp32 that shard is the master, so fp32 stages 1-2 also hold 4 bytes/param/W more).
+
+    Nothing here looks at the engine's tensors, only at its layout and configuration (except
+    the state size of a custom optimizer callable, which only its allocation tells).
+    """
+    zero, layout, W = engine.zero, engine.layout, engine.world_size
+    padded = layout.full_numel
+    optimizer = _optimizer_for_estimate(engine)
+
+    def states(stage: int) -> memory.ModelStateBytes:
+        return memory.model_state_bytes(padded, W, stage, zero.dtype, optimizer, grad_dtype="fp32",
+                                        padded_numel=padded)
+
+    base = states(zero.stage)
+    grads = states(2).grads if zero.stage == 1 else base.grads
+    elem = memory.DTYPE_BYTES[zero.dtype]
+    params = base.params + (elem * (padded // W) if zero.stage in (1, 2) else 0)
+    return {"params": params, "grads": grads, "optimizer": base.optimizer,
+            "total": params + grads + base.optimizer}
+
+
+def live_tensor_bytes(floating_only: bool = True) -> int:
+    """Bytes of every distinct tensor storage alive in this process, found by a gc census.
+
+    Independent of :func:`measure`: it does not ask the engine what it holds, so a copy the
+    engine's attributes do not show (a unit buffer left gathered, a leaked gradient) shows up
+    here. Meta tensors and empty storages count nothing.
+    """
+    import gc
+
+    gc.collect()
+    seen: Dict[int, int] = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.is_meta:
+                continue
+            if floating_only and not obj.is_floating_point():
+                continue
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError, ReferenceError):
+            continue
+        if storage.nbytes() and storage.data_ptr():
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())

@@ -74,6 +74,15 @@ def test_parity_every_stage_and_coordinator_setting(references, world):
             # Many buckets, but the pool of bucket buffers stops growing after the first step.
             pools = [rep["bucket_pool"] for rep in results[0]["reports"]]
             assert pools[-1] == pools[1], pools
+        if name == "stage0" and world > 1:
+            stage0_bytes = results[0]["reports"][-1]["total_bytes"]
+        if name in ("stage1", "stage2") and world > 1:
+            # The paper: reduce-scatter + all-gather moves what one all-reduce does (2Φ).
+            ratio = results[0]["reports"][-1]["total_bytes"] / stage0_bytes
+            assert 0.95 <= ratio <= 1.05, (name, ratio)
         if name == "stage3" and world > 1:
+            ratio = results[0]["reports"][-1]["total_bytes"] / stage0_bytes
+            assert 1.4 <= ratio <= 1.6, (name, ratio)  # 3Φ vs 2Φ
+            print(f"{world} workers: bytes per step vs stage 0: stage 3 {ratio:.3f}")
             fetch = results[0]["reports"][-1]["fetch"]
             assert fetch["prefetch_hits"] > fetch["on_demand"], fetch

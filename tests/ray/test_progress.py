@@ -50,6 +50,18 @@ def test_log_lines_jsonl_and_gauges(monkeypatch, caplog, tmp_path):
     assert gauges["loss"].values[-1] == pytest.approx(0.9) and len(gauges["tokens_per_s"].values) == 12
 
 
+def test_last_step_logged_when_total_unknown(monkeypatch, caplog):
+    monkeypatch.setattr(progress_mod, "_interactive", lambda: False)
+    caplog.set_level(logging.INFO, logger="zeroray")
+    bar = Progress(None)  # fit(data) that runs until the data ends
+    bar._ray_metrics = {}
+    for r in _results(3):
+        bar.update(r)
+    bar.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "zeroray"]
+    assert [line.split(" loss")[0] for line in lines] == ["zeroray step 101", "zeroray step 103"]
+
+
 def test_bar_when_interactive(monkeypatch, capsys):
     monkeypatch.setattr(progress_mod, "_interactive", lambda: True)
     bar = Progress(3, tokens_per_step=100)

@@ -53,6 +53,7 @@ class CommCounter:
 
     collectives: Dict[str, CollectiveStats] = field(default_factory=dict)
     wait_s: float = 0.0  # time the compute thread spent blocked in wait() (exposed)
+    comm_s: float = 0.0  # sum over collectives of launch-to-completion time (total)
 
     def add(self, name: str, payload: int, ring: int) -> None:
         s = self.collectives.setdefault(name, CollectiveStats())
@@ -63,6 +64,7 @@ class CommCounter:
     def reset(self) -> None:
         self.collectives.clear()
         self.wait_s = 0.0
+        self.comm_s = 0.0
 
     @property
     def total_bytes(self) -> int:
@@ -71,7 +73,7 @@ class CommCounter:
     def as_dict(self) -> dict:
         return {"total_bytes": self.total_bytes,
                 "collectives": {k: vars(v).copy() for k, v in self.collectives.items()},
-                "exposed_s": self.wait_s}
+                "exposed_s": self.wait_s, "comm_s": self.comm_s}
 
 
 class _TimedHandle:
@@ -160,6 +162,17 @@ class TorchGroup(Group):
         return n * (self.world_size - 1) // self.world_size
 
     def _done(self, work, async_op: bool) -> Handle:
+        started = time.perf_counter()
+        counter = self.counter
+
+        def finished(_fut) -> None:
+            # Runs on the backend's thread when the collective completes.
+            counter.comm_s += time.perf_counter() - started
+
+        try:
+            work.get_future().add_done_callback(finished)
+        except (RuntimeError, AttributeError):  # a backend without futures: total time unknown
+            pass
         handle = _TimedHandle(work, self.counter)
         if not async_op:
             handle.wait()

@@ -5,7 +5,7 @@
   steps, loss, step time and tokens/s (the notebook widget when ipywidgets is installed, the
   text bar otherwise, so a notebook without ipywidgets does not warn).
 - Otherwise (a Ray job, a batch script, CI): INFO records of the ``zeroray`` logger, one for the
-  first step, every ``log_every``-th step and the last. When the application has configured
+  first step of a fit, every ``log_every``-th step and the last. When the application has configured
   no logging at all, a stdout handler is attached to the ``zeroray`` logger so the lines show in
   job logs; configured logging (a root handler) gets the records instead. ``zeroray`` logger
   records below INFO are dropped unless the application sets that logger's level itself.
@@ -79,6 +79,7 @@ class Progress:
             self.metrics_file = open(metrics_path, "a")
         self._ray_metrics: Optional[Dict[str, Any]] = None
         self._t_last = time.perf_counter()
+        self._unlogged: Optional[tuple] = None  # the last step's log line, until it is logged
 
     def _gauges(self) -> Dict[str, Any]:
         if self._ray_metrics is None:
@@ -96,6 +97,9 @@ class Progress:
         now = time.perf_counter()
         dt, self._t_last = now - self._t_last, now
         self.done += 1
+        # Wall time between steps; the first step of a fit has no previous one and its wall time
+        # holds the start-up (data, first batches), so it counts the workers' step time instead.
+        dt = result.step_time_s if self.done == 1 else dt
         tps = self.tokens_per_step / dt if self.tokens_per_step and dt > 0 else None
         record = {"step": result.step, "loss": result.loss, "grad_norm": result.grad_norm,
                   "step_time_s": result.step_time_s, "tokens_per_s": tps, "skipped": result.skipped,
@@ -106,11 +110,13 @@ class Progress:
             if tps:
                 post["tok/s"] = f"{tps:.0f}"
             self.bar.set_postfix(post)
-        elif self.done == 1 or self.done % self.log_every == 0 or self.done == self.total:
+        else:
             of = f" ({self.done}/{self.total})" if self.total else ""
             extra = f" tokens/s {tps:.0f}" if tps else ""
-            log.info("zeroray step %d%s loss %.4f step time %.3fs%s", result.step, of, result.loss,
-                     result.step_time_s, extra)
+            self._unlogged = ("zeroray step %d%s loss %.4f step time %.3fs%s", result.step, of, result.loss,
+                              result.step_time_s, extra)
+            if self.done == 1 or self.done % self.log_every == 0 or self.done == self.total:
+                self._log_line()
         if self.metrics_file is not None:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
@@ -124,6 +130,11 @@ class Progress:
                 log.warning("zeroray: Ray metrics disabled after an error: %s", error)
                 self._ray_metrics = {}
 
+    def _log_line(self) -> None:
+        if self._unlogged is not None:
+            log.info(*self._unlogged)
+            self._unlogged = None
+
     def note(self, message: str) -> None:
         """A warning during fit (a recovery): above the bar when nothing else would show it."""
         if self.bar is not None and not log.hasHandlers():
@@ -132,6 +143,7 @@ class Progress:
             log.warning(message)
 
     def close(self) -> None:
+        self._log_line()  # the last step of a fit always shows
         if self.bar is not None:
             self.bar.close()
         if self.metrics_file is not None:
