@@ -88,6 +88,26 @@ def batch_structure(batch: Any) -> Any:
     return ("O", type(batch).__name__)
 
 
+def structure_changed(step: int, before: Any, after: Any) -> str:
+    """The message for a batch whose structure differs from the first step's."""
+    return (f"step {step}: the batch structure changed from {describe_structure(before)} to "
+            f"{describe_structure(after)} (N = rows, which may vary); every step must get batches of the same "
+            "structure, row shapes and dtypes: pad or crop them to one shape, or build a new Trainer for the new one")
+
+
+def describe_structure(structure: Any) -> str:
+    """batch_structure() in words, e.g. ``(tensor[N, 5] int64, tensor[N, 5] int64)``."""
+    kind, rest = structure[0], structure[1:]
+    if kind == "T":
+        shape, dtype = rest
+        return f"tensor[{', '.join(['N'] + [str(d) for d in shape])}] {dtype.replace('torch.', '')}"
+    if kind == "D":
+        return "{" + ", ".join(f"{k!r}: {describe_structure(v)}" for k, v in rest[0]) + "}"
+    if kind == "L":
+        return "(" + ", ".join(describe_structure(v) for v in rest[0]) + ")"
+    return str(rest[0])
+
+
 def _leaves(batch: Any) -> List[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         return [batch]
@@ -297,8 +317,7 @@ class Engine:
         t0 = time.perf_counter()
         structure = batch_structure(batch)
         if self._structure is not None and structure != self._structure:
-            raise ValueError(f"step {self.step_count}: the batch structure changed from {self._structure} to "
-                             f"{structure}; every step must get batches of the same structure and row shapes")
+            raise ValueError(structure_changed(self.step_count, self._structure, structure))
         self._structure = structure
         k = self.zero.grad_accum_steps
         micro = split_batch(to_device(batch, self.device), k, "worker's share of the batch (grad_accum_steps)")

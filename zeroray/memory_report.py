@@ -62,7 +62,17 @@ def measure(engine) -> Dict[str, Any]:
             "gathered_params_peak": stats.get("peak_gathered_bytes", 0),
             "bucket_buffers": buckets,
             "activations_peak": getattr(engine, "activation_peak_bytes", None),
-            "num_params": layout.numel, "padded_numel": layout.full_numel}
+            "num_params": layout.numel, "padded_numel": layout.full_numel,
+            **_cuda_stats(engine.device)}
+
+
+def _cuda_stats(device) -> Dict[str, Any]:
+    """On GPU the allocator knows the peaks (activations included); on CPU there is no such statistic."""
+    if device.type != "cuda":
+        return {}
+    return {"cuda_allocated": torch.cuda.memory_allocated(device),
+            "cuda_max_allocated": torch.cuda.max_memory_allocated(device),
+            "cuda_reserved": torch.cuda.memory_reserved(device)}
 
 
 def _optimizer_for_estimate(engine) -> Any:
@@ -123,7 +133,8 @@ def live_tensor_bytes(floating_only: bool = True) -> int:
     seen: Dict[int, int] = {}
     for obj in gc.get_objects():
         try:
-            if not isinstance(obj, torch.Tensor) or obj.is_meta:
+            # type(), not isinstance(): isinstance reads __class__, which wakes deprecated proxies.
+            if not issubclass(type(obj), torch.Tensor) or obj.is_meta:
                 continue
             if floating_only and not obj.is_floating_point():
                 continue

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from zeroray.comm.group import free_port, make_torch_group
 from zeroray.engine import Engine, split_batch
+from zeroray.memory_report import live_tensor_bytes, measure
 
 
 def _worker(rank, world, ports, specs_blob, out_dir):
@@ -25,6 +26,7 @@ def _worker(rank, world, ports, specs_blob, out_dir):
 
 def _run_one(rank, world, port, spec, out_file):
     group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=120)
+    live_before = live_tensor_bytes() if spec.get("census") else None  # opt-in: a gc walk
     engine = Engine(spec["model_fn"], spec["loss_fn"], spec["optimizer"], spec["zero"], group,
                     seed=spec.get("seed", 0), param_groups=spec.get("param_groups"),
                     scheduler=spec.get("scheduler"))
@@ -40,9 +42,14 @@ def _run_one(rank, world, port, spec, out_file):
             report["fetch"] = dict(engine.coordinator.stats)
         report["bucket_pool"] = engine.reducer.pool_size
         reports.append(report)
+    # Model-state bytes the engine holds after the last step, and (opt-in) every live tensor
+    # storage the process gained since before the engine existed, as an independent check.
+    memory = measure(engine)
+    if live_before is not None:
+        memory["live_tensor_bytes"] = live_tensor_bytes() - live_before
     pieces = {name: engine.master_piece(name) for name in engine.layout.param_names}
     torch.save({"losses": losses, "norms": norms, "skipped": skipped, "pieces": pieces,
-                "reports": reports, "untrained": engine.untrained_state(),
+                "reports": reports, "memory": memory, "untrained": engine.untrained_state(),
                 "aliases": engine.layout.aliases(), "scale": engine.scaler.scale if engine.scaler else None},
                out_file)
     engine.close()

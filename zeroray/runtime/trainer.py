@@ -20,7 +20,7 @@ import torch
 from zeroray.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
-from zeroray.engine import batch_size, batch_structure, split_batch
+from zeroray.engine import batch_size, batch_structure, split_batch, structure_changed
 from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
 from zeroray.runtime.progress import Progress
 from zeroray.runtime.worker_group import WorkerGroup, ensure_ray
@@ -138,8 +138,7 @@ class Trainer:
     def _check_batch(self, batch: Any) -> None:
         structure = batch_structure(batch)
         if self._structure is not None and structure != self._structure:
-            raise ValueError(f"step {self.step_count}: the batch structure changed from {self._structure} to "
-                             f"{structure}; every step must get batches of the same structure and row shapes")
+            raise ValueError(structure_changed(self.step_count, self._structure, structure))
         size = batch_size(batch)
         parts = self.num_workers * self.zero.grad_accum_steps
         if size % parts:

@@ -22,7 +22,7 @@ log = logging.getLogger("zeroray")
 
 # How long wait_all keeps listening for the other workers after the first error: long enough
 # for Ray to report a killed actor (well under a second), short enough to fail fast.
-_FAILURE_GRACE_S = 5.0
+_FAILURE_GRACE_S = 3.0
 
 
 class PlacementError(RuntimeError):
@@ -310,4 +310,5 @@ def _first_line(error: Optional[BaseException]) -> str:
         return "no error"
     cause = getattr(error, "cause", None)
     text = str(cause if cause is not None else error).strip()
-    return f"{type(cause if cause is not None else error).__name__}: {text.splitlines()[0] if text else ''}"
+    first = text.splitlines()[0].rstrip(". ") if text else ""
+    return f"{type(cause if cause is not None else error).__name__}: {first}"
