@@ -100,3 +100,34 @@ def reference_run(model_fn, loss_fn, make_optimizer, batches, seed=0, max_grad_n
             sched.step()
         losses.append(total)
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class DivergentNet(nn.Module):
+    """Runs module `a` or `b` depending on the batch: ranks given different data run different
+    modules, which stage 3 cannot allow (the workers would issue different collectives)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.a = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = self.a(x) if int(idx[0, 0]) % 2 == 0 else self.b(x)
+        return self.head(x)
+
+
+def divergent_model() -> nn.Module:
+    return DivergentNet()
+
+
+def divergent_batches(steps: int = 2):
+    """Rank 0's share starts with an even token, rank 1's with an odd one (2 workers)."""
+    out = []
+    for idx, tgt in make_batches(steps, batch=4):
+        idx = idx.clone()
+        idx[0, 0], idx[2, 0] = 2, 3
+        out.append((idx, tgt))
+    return out

@@ -49,7 +49,8 @@ def measure(engine) -> Dict[str, Any]:
     optim_st = {k: v for k, v in _storages([engine.master] + _optimizer_state_tensors(engine)).items()
                 if k not in param_st and k not in grad_st}
     stats = engine.coordinator.stats if engine.coordinator is not None else {}
-    buckets = engine.reducer.buffer_bytes() + (engine.gatherer.buffer_bytes() if engine.gatherer else 0)
+    reduce_buffers = engine.reducer.buffer_bytes()
+    gather_buffers = engine.gatherer.buffer_bytes() if engine.gatherer else 0
     measured = {"params": sum(param_st.values()), "grads": sum(grad_st.values()),
                 "optimizer": sum(optim_st.values())}
     paper = memory.model_state_bytes(layout.numel, engine.world_size, zero.stage, zero.dtype,
@@ -60,7 +61,8 @@ def measure(engine) -> Dict[str, Any]:
             "paper": {"params": paper.params, "grads": paper.grads, "optimizer": paper.optimizer,
                       "total": paper.total},
             "gathered_params_peak": stats.get("peak_gathered_bytes", 0),
-            "bucket_buffers": buckets,
+            "bucket_buffers": reduce_buffers + gather_buffers,
+            "reduce_buffers": reduce_buffers, "gather_buffers": gather_buffers,
             "activations_peak": getattr(engine, "activation_peak_bytes", None),
             "num_params": layout.numel, "padded_numel": layout.full_numel,
             **_cuda_stats(engine.device)}

@@ -86,3 +86,13 @@ def test_parity_every_stage_and_coordinator_setting(references, world):
             print(f"{world} workers: bytes per step vs stage 0: stage 3 {ratio:.3f}")
             fetch = results[0]["reports"][-1]["fetch"]
             assert fetch["prefetch_hits"] > fetch["on_demand"], fetch
+
+
+def test_trace_mismatch_is_an_error_naming_the_module():
+    from tests.models import divergent_batches, divergent_model
+
+    with pytest.raises(RuntimeError) as info:
+        run_engines(2, [dict(model_fn=divergent_model, loss_fn=lm_loss, optimizer=zr.AdamW(lr=1e-2),
+                             zero=zr.ZeroConfig(stage=3), batches=divergent_batches())])
+    text = str(info.value)
+    assert "TraceMismatchError" in text and "module 'a'" in text and "module 'b'" in text, text

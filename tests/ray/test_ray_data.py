@@ -82,7 +82,7 @@ def test_fit_on_dataset_equals_step_on_the_same_rows(ray_local, tmp_path, caplog
 
     # Progress of fit (not a tty here): log lines, and one JSONL record per step.
     lines = [r.getMessage() for r in caplog.records if r.name == "zeroray" and "zeroray step" in r.getMessage()]
-    assert lines[0].startswith("zeroray step 1 (1/2) loss") and lines[-1].startswith(f"zeroray step {STEPS} (")
+    assert lines[0].startswith("zeroray step 1 (1/2) loss") and lines[-1].startswith(f"zeroray step {STEPS} loss")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     # tokens per step: the largest column, idx or tgt (GLOBAL x SEQ elements)

@@ -100,10 +100,8 @@ def run_fit(trainer, data: Any, num_steps: Optional[int], *, batch_size: Optiona
 def _recover(trainer, error: Exception, failures: FailurePolicy, scaling: ScalingPolicy, bar) -> None:
     """Ask the FailurePolicy; raise, or rebuild the group and load the last checkpoint.
 
-    [Note: failure detection] WorkerGroup.wait_all sees a dead worker within about a second (Ray
-    fails its call; the survivors' gloo calls fail on the closed connection) and tears the
-    group down itself, so no survivor stays blocked in a collective. A failure while restarting
-    (another worker dies) counts as one more failure.
+    The group already tore itself down when it raised (see [Note: failure detection] in
+    worker_group.py). A failure while restarting (another worker dies) counts as one more.
     """
     from zeroray.runtime.trainer import _is_worker_failure
 

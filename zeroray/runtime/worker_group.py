@@ -3,6 +3,19 @@
 The placement group has one bundle per worker (CPUs, and one GPU each with use_gpu). The
 collective group is a torch ProcessGroup object per actor (comm/group.py) that meets at a
 TCPStore on rank 0's node; Ray tells every rank where that is.
+
+[Note: failure detection]
+The driver waits for one call per worker (``wait_all``) with ``ray.wait`` in short polls and
+looks at every result as soon as it arrives. A killed worker shows up twice, within about a
+second: Ray fails the dead actor's call (RayActorError), and each survivor's gloo call fails
+on the closed connection ("Connection reset by peer"). A rank that never reaches a collective
+makes the others' gloo calls time out after ``collective_timeout_s``. After the first error
+the driver listens ``_FAILURE_GRACE_S`` more for the rest, then decides: a death
+(WorkerDiedError) wins over a broken connection (WorkerGroupError) or a timeout
+(CollectiveTimeoutError, naming the ranks that issued fewer collectives: they did not
+arrive); otherwise the user's own error is raised as it is. Whenever the workers are left out
+of step with each other, the driver kills them all (ray.kill) before raising: survivors
+blocked in a collective are never waited for. fit_loop.py restarts on the first three kinds.
 """
 from __future__ import annotations
 
@@ -226,11 +239,11 @@ class WorkerGroup:
                         first_error_at = time.monotonic()
         if not errors and not pending:
             return [results[i] for i in range(len(refs))]
-        self._fail(errors, [rank_of[r] for r in pending], what, timeout_s)
+        self._fail(errors, [rank_of[r] for r in pending], what)
         raise AssertionError("unreachable")
 
-    def _fail(self, errors: Dict[int, BaseException], pending: List[int], what: str,
-              timeout_s: Optional[float]) -> None:
+    def _fail(self, errors: Dict[int, BaseException], pending: List[int], what: str) -> None:
+        """Raise the error that explains a failed wait_all; see [Note: failure detection]."""
         kinds = {rank: classify_error(e) for rank, e in errors.items()}
         dead = sorted(r for r, k in kinds.items() if k == "died")
         if dead:
@@ -240,35 +253,36 @@ class WorkerGroup:
                        "FailureConfig(max_failures) allows it")
             self._tear_down(message)
             raise WorkerDiedError(message, dead, cause) from cause
-        broken = sorted(r for r, k in kinds.items() if k in ("peer", "timeout"))
-        if broken or not errors:  # a collective failed, or nothing came back before the deadline
-            late = self._late_ranks(pending)
-            timed_out = [r for r in broken if kinds[r] == "timeout"]
-            cause = errors[broken[0]] if broken else None
-            if timed_out or not errors:
-                limit = f"collective_timeout_s={self.collective_timeout_s:g} s"
-                message = (f"{what}: a collective did not complete within {limit}: worker(s) "
-                           f"{self._describe(late) if late else '(unknown)'} did not arrive"
-                           f"{f'; worker(s) {self._describe(timed_out)} waited for them and timed out' if timed_out else ''}"
-                           ". Every worker must run the same forward/backward (same modules, same number of "
-                           "micro-batches); if one is just slow (data loading, a long first step), raise "
-                           "ZeroConfig(collective_timeout_s=...). The worker group was shut down")
+        users = sorted(r for r, k in kinds.items() if k == "user")
+        if users:
+            # The user's own error, as it is (its type and the worker's traceback). Errors of the
+            # other ranks (timeouts waiting for the failed one) are consequences of it.
+            error = errors[users[0]]
+            stuck = sorted(set(pending) | (set(errors) - set(users)))
+            if stuck:  # they wait (or timed out waiting) in a collective for the failed ranks
+                message = f"worker(s) {users} raised during {what} while worker(s) {stuck} waited in a collective"
                 self._tear_down(message)
-                raise CollectiveTimeoutError(message, late, cause) from cause
-            message = (f"{what}: worker(s) {self._describe(broken)} lost the connection to a peer "
-                       f"({_first_line(cause)}); worker(s) {self._describe(late) if late else '(unknown)'} "
-                       "probably died or became unreachable. The worker group was shut down")
+                error.add_note(f"zeroray: {message}, so the worker group was shut down: build a new Trainer "
+                               "or zr.Trainer.restore(...) from a checkpoint")
+            raise error
+        broken = sorted(errors)  # every error is a broken connection or a timed-out collective
+        late = self._late_ranks(pending)
+        timed_out = [r for r in broken if kinds[r] == "timeout"]
+        cause = errors[broken[0]] if broken else None
+        if timed_out or not errors:  # not errors: nothing came back before the driver's deadline
+            waited = f"; worker(s) {self._describe(timed_out)} waited for them and timed out" if timed_out else ""
+            message = (f"{what}: a collective did not complete within collective_timeout_s="
+                       f"{self.collective_timeout_s:g} s: worker(s) {self._describe(late) if late else '(unknown)'} "
+                       f"did not arrive{waited}. Every worker must run the same forward/backward (same modules, "
+                       "same number of micro-batches); if one is just slow (data loading, a long first step), "
+                       "raise ZeroConfig(collective_timeout_s=...). The worker group was shut down")
             self._tear_down(message)
-            raise WorkerGroupError(message, late, cause) from cause
-        # Errors from user code or input: raise the first one as it is (its type and worker traceback).
-        error = errors[min(errors)]
-        if pending:  # the others wait in a collective for the ranks that failed: the group is out of step
-            message = (f"worker(s) {sorted(errors)} raised during {what} while worker(s) {pending} still waited "
-                       "in a collective")
-            self._tear_down(message)
-            error.add_note(f"zeroray: {message}, so the worker group was shut down: build a new Trainer or "
-                           "zr.Trainer.restore(...) from a checkpoint")
-        raise error
+            raise CollectiveTimeoutError(message, late, cause) from cause
+        message = (f"{what}: worker(s) {self._describe(broken)} lost the connection to a peer "
+                   f"({_first_line(cause)}); worker(s) {self._describe(late) if late else '(unknown)'} "
+                   "probably died or became unreachable. The worker group was shut down")
+        self._tear_down(message)
+        raise WorkerGroupError(message, late, cause) from cause
 
     def _late_ranks(self, pending: List[int]) -> List[int]:
         """Ranks that did not reach the collective the others are in: fewest collectives issued this step."""
