@@ -97,7 +97,11 @@ class Trainer:
         # Garbage collection of the Trainer releases its actors and placement group.
         self._finalizer = weakref.finalize(self, _finalize, self._group_ref)
         if _restore_from is not None:
-            self._load(_restore_from)
+            try:
+                self._load(_restore_from)
+            except BaseException:
+                self.shutdown()  # nothing half-loaded stays behind
+                raise
 
     # --- group lifecycle -------------------------------------------------------------------
 
