@@ -187,13 +187,17 @@ class FetchCoordinator:
             self._issue(missing)
         t0 = time.perf_counter()
         for u in units:
-            handle = self._handles.pop(u, None)
-            if handle is not None:
-                handle.wait()
-                for v in handle.units:
-                    self._handles.pop(v, None)
-                    self.buffers.state[v] = UnitState.GATHERED
+            self._complete(u)
         self.stats["fetch_wait_s"] += time.perf_counter() - t0
+
+    def _complete(self, unit: int) -> None:
+        """Wait for the gather that holds ``unit`` (if any): all of its units become GATHERED."""
+        handle = self._handles.pop(unit, None)
+        if handle is not None:
+            handle.wait()
+            for v in handle.units:
+                self._handles.pop(v, None)
+                self.buffers.state[v] = UnitState.GATHERED
 
     def _issue(self, units: List[int]) -> None:
         for group_units in self.gatherer.coalesce(units):
@@ -231,25 +235,14 @@ class FetchCoordinator:
             self._issue(todo)
 
     def _free(self, unit: int) -> None:
-        handle = self._handles.pop(unit, None)
-        if handle is not None:
-            handle.wait()
-            for v in handle.units:
-                self._handles.pop(v, None)
-                if v != unit:
-                    self.buffers.state[v] = UnitState.GATHERED
+        self._complete(unit)  # never free memory a collective is still writing into
         ptr = self.buffers.full[unit].untyped_storage().data_ptr()
         self._ptr_to_unit.pop(ptr, None)
         self.buffers.free(unit)
 
     def _drain(self) -> None:
         for u in list(self._handles):
-            h = self._handles.pop(u, None)
-            if h is not None:
-                h.wait()
-                for v in h.units:
-                    self._handles.pop(v, None)
-                    self.buffers.state[v] = UnitState.GATHERED
+            self._complete(u)
 
     # --- saved tensors ---------------------------------------------------------------------
 
