@@ -1,4 +1,5 @@
 """Run the engine in W plain torch processes (gloo), no Ray: the engine layer's test bench."""
+import gc
 import os
 import tempfile
 import traceback
@@ -17,7 +18,9 @@ def _worker(rank, world, ports, specs_blob, out_dir):
         torch.set_num_threads(1)
         specs = cloudpickle.loads(specs_blob)
         for index, (port, spec) in enumerate(zip(ports, specs)):
-            _run_one(rank, world, port, spec, os.path.join(out_dir, f"spec{index}_rank{rank}.pt"))
+            spec_world = spec.get("world", world)  # a spec may use only the first ranks
+            if rank < spec_world:
+                _run_one(rank, spec_world, port, spec, os.path.join(out_dir, f"spec{index}_rank{rank}.pt"))
     except BaseException:
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
@@ -26,7 +29,11 @@ def _worker(rank, world, ports, specs_blob, out_dir):
 
 def _run_one(rank, world, port, spec, out_file):
     group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=120)
-    live_before = live_tensor_bytes() if spec.get("census") else None  # opt-in: a gc walk
+    live_before = None
+    if spec.get("census"):  # opt-in: a gc walk; freezing older objects keeps it to milliseconds
+        gc.collect()
+        gc.freeze()
+        live_before = live_tensor_bytes()
     engine = Engine(spec["model_fn"], spec["loss_fn"], spec["optimizer"], spec["zero"], group,
                     seed=spec.get("seed", 0), param_groups=spec.get("param_groups"),
                     scheduler=spec.get("scheduler"))
@@ -41,6 +48,7 @@ def _run_one(rank, world, port, spec, out_file):
         if engine.coordinator is not None:
             report["fetch"] = dict(engine.coordinator.stats)
         report["bucket_pool"] = engine.reducer.pool_size
+        report["time_s"] = stats.time_s
         reports.append(report)
     # Model-state bytes the engine holds after the last step, and (opt-in) every live tensor
     # storage the process gained since before the engine existed, as an independent check.
@@ -63,7 +71,9 @@ def run_engine(world, **spec):
 
 
 def run_engines(world, specs):
-    """Several runs in one set of processes (process start-up dominates these tests' time)."""
+    """Several runs in one set of processes (process start-up dominates these tests' time).
+    A spec with ``"world": w`` (w <= world) runs on ranks 0..w-1 only, so one process set can
+    serve several world sizes."""
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
         ports = [free_port() for _ in specs]
@@ -81,7 +91,7 @@ def run_engines(world, specs):
         out = []
         for index in range(len(specs)):
             results = [torch.load(os.path.join(out_dir, f"spec{index}_rank{r}.pt"), weights_only=False)
-                       for r in range(world)]
+                       for r in range(specs[index].get("world", world))]
             out.append((results, consolidate(results)))
         return out
 
