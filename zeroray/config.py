@@ -83,13 +83,17 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 _fail(c, name, value, "it must be a positive number of bytes (an int > 0)")
-        if not isinstance(self.reuse_distance, int) or self.reuse_distance < 0:
+        for name in ("prefetch", "offload_activations", "sharded_init"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(c, name, getattr(self, name), "it must be True or False")
+        if not isinstance(self.reuse_distance, int) or isinstance(self.reuse_distance, bool) or self.reuse_distance < 0:
             _fail(c, "reuse_distance", self.reuse_distance, "it must be an integer >= 0")
         _positive_int(c, "grad_accum_steps", self.grad_accum_steps)
         _positive_number(c, "max_grad_norm", self.max_grad_norm, allow_none=True)
         _positive_number(c, "initial_loss_scale", self.initial_loss_scale)
         _positive_number(c, "min_loss_scale", self.min_loss_scale)
-        if not (isinstance(self.loss_scale_growth_factor, (int, float)) and self.loss_scale_growth_factor > 1):
+        if not (isinstance(self.loss_scale_growth_factor, (int, float)) and math.isfinite(self.loss_scale_growth_factor)
+                and self.loss_scale_growth_factor > 1):
             _fail(c, "loss_scale_growth_factor", self.loss_scale_growth_factor, "it must be > 1")
         if not (isinstance(self.loss_scale_backoff_factor, (int, float)) and 0 < self.loss_scale_backoff_factor < 1):
             _fail(c, "loss_scale_backoff_factor", self.loss_scale_backoff_factor, "it must be in (0, 1)")
@@ -192,6 +196,10 @@ class _OptimizerSpec:
         raise NotImplementedError
 
 
+def _finite_nonneg(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
 def _check_betas(cls: str, betas: Any) -> None:
     if (not isinstance(betas, (tuple, list)) or len(betas) != 2
             or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
@@ -208,8 +216,8 @@ class Adam(_OptimizerSpec):
         self._check_lr()
         _check_betas(type(self).__name__, self.betas)
         _positive_number(type(self).__name__, "eps", self.eps)
-        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
-            _fail(type(self).__name__, "weight_decay", self.weight_decay, "it must be >= 0")
+        if not _finite_nonneg(self.weight_decay):
+            _fail(type(self).__name__, "weight_decay", self.weight_decay, "it must be a finite number >= 0")
 
     def build(self, params: Any) -> Any:
         import torch
@@ -245,8 +253,10 @@ class SGD(_OptimizerSpec):
         c = type(self).__name__
         for name in ("momentum", "dampening", "weight_decay"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v < 0:
-                _fail(c, name, v, "it must be >= 0")
+            if not _finite_nonneg(v):
+                _fail(c, name, v, "it must be a finite number >= 0")
+        if not isinstance(self.nesterov, bool):
+            _fail(c, "nesterov", self.nesterov, "it must be True or False")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             _fail(c, "nesterov", self.nesterov, "Nesterov momentum needs momentum > 0 and dampening = 0")
 

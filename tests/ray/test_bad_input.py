@@ -10,19 +10,21 @@ import torch.nn as nn
 
 import zeroray as zr
 from tests.models import VOCAB, lm_loss, make_batches, parity_model
-from tests.ray.test_shutdown import live_actors, live_placement_groups
+from tests.ray.test_shutdown import assert_released, live_actors, live_placement_groups
 from zeroray.engine import StepError
 from zeroray.runtime.worker_group import WorkerSetupError
 
 TABLE = []
-NAN_MARK, VECTOR_MARK = VOCAB - 1, VOCAB - 2  # a batch made only of this token makes picky_loss misbehave
+# A worker whose share of the batch is made only of one of these tokens makes picky_loss misbehave.
+NAN_MARK, VECTOR_MARK, RAISE_MARK = VOCAB - 1, VOCAB - 2, VOCAB - 3
 
 
 def _record(what, error):
     # A worker's error (RayTaskError) carries its traceback; the table shows the error itself.
     cause = getattr(error, "cause", None)
     shown = cause if cause is not None else error
-    TABLE.append((what, type(shown).__name__, str(shown).strip().splitlines()[0]))
+    notes = " ".join(getattr(error, "__notes__", []))
+    TABLE.append((what, type(shown).__name__, str(shown).strip().splitlines()[0] + (f" + note: {notes}" if notes else "")))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,6 +42,8 @@ def picky_loss(model, batch):
         return loss * float("nan")
     if bool((idx == VECTOR_MARK).all()):
         return loss.expand(idx.shape[0])  # one loss per row: not reduced to a scalar
+    if bool((idx == RAISE_MARK).all()):
+        raise KeyError("labels")  # a bug in user code, on this worker only
     return loss
 
 
@@ -53,9 +57,11 @@ def frozen_model():
     return model
 
 
-def _marked(mark, seed=5):
+def _marked(mark, seed=5, rows=slice(None)):
     idx, tgt = make_batches(1, seed=seed)[0]
-    return torch.full_like(idx, mark), tgt
+    idx = idx.clone()
+    idx[rows] = mark
+    return idx, tgt
 
 
 def test_invalid_optimizer_spec():
@@ -71,6 +77,21 @@ def test_invalid_optimizer_spec():
     _record("loss_fn='cross_entropy'", info.value)
 
 
+def test_config_mistakes_caught_before_any_worker_starts():
+    """The config dataclasses validate on construction (every field: tests/unit/test_config.py)."""
+    for what, build, match in [
+            ("ZeroConfig(stage=4)", lambda: zr.ZeroConfig(stage=4), r"ZeroConfig\.stage=4"),
+            ("ScalingConfig(num_workers=0)", lambda: zr.ScalingConfig(num_workers=0), r"ScalingConfig\.num_workers=0"),
+            ("ZeroConfig(bucket_bytes=0)", lambda: zr.ZeroConfig(bucket_bytes=0), r"ZeroConfig\.bucket_bytes=0"),
+            ("ZeroConfig(prefetch_bytes=-1)", lambda: zr.ZeroConfig(prefetch_bytes=-1),
+             r"ZeroConfig\.prefetch_bytes=-1"),
+            ("zero={'stage': 3} (a dict)", lambda: zr.Trainer(parity_model, lm_loss, zero={"stage": 3}),
+             r"zero must be a zr\.ZeroConfig")]:
+        with pytest.raises(ValueError, match=match) as info:
+            build()
+        _record(what, info.value)
+
+
 def test_model_fn_raising_shows_worker_traceback(ray_local):
     actors, pgs = live_actors(), live_placement_groups()
     with pytest.raises(WorkerSetupError) as info:
@@ -78,7 +99,7 @@ def test_model_fn_raising_shows_worker_traceback(ray_local):
     message = str(info.value)
     assert "RuntimeError: cannot build the model: vocab file 'vocab.json' not found" in message
     assert "worker traceback" in message and "in broken_model" in message  # the worker's own frames
-    assert live_actors() <= actors and live_placement_groups() <= pgs  # nothing left running
+    assert_released(live_actors() - actors, live_placement_groups() - pgs)  # nothing left running
     _record("model_fn raising RuntimeError", info.value)
 
 
@@ -116,3 +137,13 @@ def test_bad_batches_and_bad_losses(ray_local):
         with pytest.raises(StepError, match=r"step 2: loss_fn must return a scalar tensor .* got \(6,\)") as info:
             trainer.step(_marked(VECTOR_MARK))
         _record("loss_fn returning a per-row loss of shape (6,)", info.value)
+        assert trainer.step(batches[0]).step == 3
+
+        # An error on one worker only: the other waits in a collective for it, so the group is
+        # out of step; the user's error comes back at once and the group is shut down.
+        with pytest.raises(KeyError, match="labels") as info:
+            trainer.step(_marked(RAISE_MARK, rows=slice(6, None)))
+        assert any("worker(s) [1] raised during step 3 while worker(s) [0] waited" in n for n in info.value.__notes__)
+        _record("loss_fn raising KeyError on worker 1 only", info.value)
+        with pytest.raises(RuntimeError, match="this worker group failed and was shut down"):
+            trainer.step(batches[0])

@@ -83,7 +83,7 @@ def test_ctrl_c_inside_with_releases(ray_local):
     """An exception in the driver (here Ctrl-C, raised inside fit) leaves `with` and releases everything."""
     ids = {}
     with pytest.raises(KeyboardInterrupt):
-        with _trainer(num_workers=2) as trainer:
+        with _trainer() as trainer:
             ids["actors"], ids["pgs"] = group_ids(trainer)
             trainer.fit(_CtrlC(make_batches(4), at=2), progress=False)
     assert trainer.step_count == 2

@@ -105,3 +105,18 @@ def test_invalid_optimizer_spec(spec, words):
         validate_optimizer(spec)
     validate_optimizer(zr.SGD(lr=0.1))
     validate_optimizer(lambda params: None)  # any callable params -> Optimizer (checked when built)
+
+
+@pytest.mark.parametrize("cls, kwargs, field", [
+    (zr.ZeroConfig, dict(prefetch="no"), "prefetch"),
+    (zr.ZeroConfig, dict(offload_activations=1), "offload_activations"),
+    (zr.ZeroConfig, dict(sharded_init="x"), "sharded_init"),
+    (zr.ZeroConfig, dict(reuse_distance=True), "reuse_distance"),
+    (zr.ZeroConfig, dict(loss_scale_growth_factor=float("inf")), "loss_scale_growth_factor"),
+    (zr.AdamW, dict(weight_decay=float("nan")), "weight_decay"),
+    (zr.SGD, dict(momentum=float("nan")), "momentum"),
+    (zr.SGD, dict(nesterov="yes"), "nesterov"),
+])
+def test_type_and_nan_gaps_are_errors(cls, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        cls(**kwargs)

@@ -116,7 +116,7 @@ def _recover(trainer, error: Exception, failures: FailurePolicy, scaling: Scalin
         _note(bar, f"zeroray: {decision.reason}; restarting from "
                    f"{trainer._last_checkpoint or 'the initial weights (no checkpoint yet)'}")
         try:
-            _restart(trainer, scaling, decision.reason, bar)
+            timings = _restart(trainer, scaling, decision.reason, bar)
             break
         except Exception as again:  # noqa: BLE001
             if not _is_worker_failure(again):
@@ -125,7 +125,8 @@ def _recover(trainer, error: Exception, failures: FailurePolicy, scaling: Scalin
     resumed = time.monotonic()
     trainer.last_recovery_s = resumed - detected
     record = {"cause": f"{type(error).__name__}: {error}", "detected_at": detected, "resumed_at": resumed,
-              "seconds": resumed - detected, "step": trainer.step_count, "num_workers": trainer.num_workers}
+              "seconds": resumed - detected, "step": trainer.step_count, "num_workers": trainer.num_workers,
+              **timings}
     trainer.recoveries.append(record)
     _note(bar, f"zeroray: resumed at step {trainer.step_count} with {trainer.num_workers} worker(s), "
                f"{trainer.last_recovery_s:.1f} s after the failure was detected")
@@ -149,18 +150,33 @@ def _free_resources(scaling: ScalingPolicy, wait_s: float = 3.0):
         time.sleep(0.1)
 
 
-def _restart(trainer, scaling: ScalingPolicy, reason: str, bar) -> None:
-    """Tear the group down, start a new one of the size the cluster offers, load the last checkpoint."""
+def _restart(trainer, scaling: ScalingPolicy, reason: str, bar) -> dict:
+    """Tear the group down, start a new one of the size the cluster offers, load the last checkpoint.
+
+    Returns the seconds spent in each phase (the new group's start dominates: fresh actor
+    processes import torch and build the model)."""
+    t0 = time.monotonic()
     trainer.shutdown()
     decision = scaling.on_restart(*_free_resources(scaling))
     if decision.action is Action.RESIZE:
         _note(bar, f"zeroray: {decision.reason}")
     trainer._structure = None
+    t1 = time.monotonic()
     trainer._start(decision.num_workers)
+    t2 = time.monotonic()
+    timings = {"teardown_s": t1 - t0, "start_s": t2 - t1, **trainer._group.timings}
+    origin_step, origin_position = trainer._fit_origin
     if trainer._last_checkpoint is not None:
         trainer._load(trainer._last_checkpoint)
+        if trainer.step_count < origin_step:
+            raise RuntimeError(f"a worker failed ({reason}) and the last checkpoint ({trainer._last_checkpoint}, "
+                               f"step {trainer.step_count}) is older than this fit, which began at step "
+                               f"{origin_step}: the steps in between cannot be replayed. Save before fit, or set "
+                               "CheckpointConfig(path=..., every_steps=...) so fit can recover.")
+        # One global batch per step since fit began; a checkpoint from before this fit recorded
+        # its position in other data, so the position is counted from the fit's origin.
+        trainer.data_position = origin_position + trainer.step_count - origin_step
     else:
-        origin_step, origin_position = trainer._fit_origin
         if origin_step != 0:
             raise RuntimeError(f"a worker failed ({reason}) and there is no checkpoint to resume from: the run "
                                f"had already trained {origin_step} steps before fit began. Set "
@@ -168,3 +184,5 @@ def _restart(trainer, scaling: ScalingPolicy, reason: str, bar) -> None:
         # No checkpoint yet: the fresh workers hold the initial weights (same seed); start over.
         trainer.step_count = 0
         trainer.data_position = origin_position
+    timings["restore_s"] = time.monotonic() - t2
+    return timings

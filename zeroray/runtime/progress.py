@@ -29,15 +29,22 @@ log = logging.getLogger("zeroray")
 GAUGES = ("loss", "step_time_s", "tokens_per_s")
 
 
+def _in_jupyter_kernel() -> bool:
+    """Code running in a Jupyter kernel (not merely a process that imported ipykernel or IPython)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
 def _interactive() -> bool:
-    if "ipykernel" in sys.modules:
+    if _in_jupyter_kernel():
         return True
     return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
 
 
 def _tqdm():
     """The notebook bar only where it can render (ipywidgets), else the text bar."""
-    if "ipykernel" in sys.modules:
+    if _in_jupyter_kernel():
         try:
             import ipywidgets  # noqa: F401
             from tqdm.notebook import tqdm
@@ -105,11 +112,11 @@ class Progress:
                   "step_time_s": result.step_time_s, "tokens_per_s": tps, "skipped": result.skipped,
                   "time": time.time()}
         if self.bar is not None:
-            self.bar.update(1)
             post = {"loss": f"{result.loss:.4f}", "s/step": f"{result.step_time_s:.3f}"}
             if tps:
                 post["tok/s"] = f"{tps:.0f}"
-            self.bar.set_postfix(post)
+            self.bar.set_postfix(post, refresh=False)
+            self.bar.update(1)  # one refresh per step, with the new postfix
         else:
             of = f" ({self.done}/{self.total})" if self.total else ""
             extra = f" tokens/s {tps:.0f}" if tps else ""

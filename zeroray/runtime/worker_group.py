@@ -143,6 +143,7 @@ class WorkerGroup:
         bundle = {"CPU": scaling.cpus_per_worker}
         if scaling.use_gpu:
             bundle["GPU"] = 1
+        t0 = time.monotonic()
         self.pg = placement_group([dict(bundle) for _ in range(num_workers)], strategy=scaling.placement_strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=scaling.placement_timeout_s)
         if not ready:
@@ -154,6 +155,7 @@ class WorkerGroup:
                 f"{scaling.placement_strategy}) within placement_timeout_s={scaling.placement_timeout_s:g}: "
                 f"{_cluster_offer()}. Ask for fewer workers (ScalingConfig.num_workers), fewer CPUs per worker "
                 "(cpus_per_worker), or add nodes.")
+        self.timings = {"placement_s": time.monotonic() - t0}  # where the start-up time goes
         threads = scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
         actor_cls = ray.remote(Worker)
         try:
@@ -165,10 +167,12 @@ class WorkerGroup:
                     scheduling_strategy=strategy, max_concurrency=2, max_restarts=0,
                     name=None).remote(rank, num_workers, threads, scaling.use_gpu))
             self.nodes = ray.get([a.node_info.remote() for a in self.actors])
+            self.timings["actors_s"] = time.monotonic() - t0 - self.timings["placement_s"]
             master_addr = self.nodes[0]["ip"]
             master_port = ray.get(self.actors[0].free_port.remote())
             spec = dict(spec, group_name=f"zr-{uuid.uuid4().hex[:8]}")
             self.setup_info = ray.get([a.setup.remote(spec, master_addr, master_port) for a in self.actors])
+            self.timings["setup_s"] = time.monotonic() - t0 - self.timings["placement_s"] - self.timings["actors_s"]
         except BaseException as error:
             self.shutdown()
             if isinstance(error, ray.exceptions.RayTaskError):
