@@ -85,6 +85,12 @@ def test_plain_lines_reach_stdout_without_logging_config():
     assert "zeroray step 2 (2/2)" in out.stdout and "a note" in out.stdout
 
 
+def test_importing_ipykernel_is_not_a_notebook():
+    pytest.importorskip("ipykernel")  # e.g. a test session that collected the notebook test
+    assert not progress_mod._in_jupyter_kernel()
+    assert not progress_mod._interactive()  # pytest captures stderr: not a tty
+
+
 def test_zeroray_logger():
     assert progress_mod.log is logging.getLogger("zeroray")
     from zeroray.runtime import fit_loop, trainer
