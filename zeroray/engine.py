@@ -205,7 +205,8 @@ class Engine:
         for name in layout.param_names:
             piece, lo, hi = layout.param_shard_view(init_shard, name, self.rank)
             if hi > lo:
-                values = kept[name][2] if kept is not None else named[name].detach().reshape(-1)[lo:hi]
+                # pop: each kept slice is freed once copied, so construction never holds two shards
+                values = kept.pop(name)[2] if kept is not None else named[name].detach().reshape(-1)[lo:hi]
                 piece.copy_(values.float())
         self.buffers = UnitBuffers(layout, self.dtype, self.device, persistent=stage < 3)
         self.buffers.bind(named, copy_values=kept is None)

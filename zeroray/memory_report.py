@@ -50,7 +50,9 @@ def measure(engine) -> Dict[str, Any]:
                 if k not in param_st and k not in grad_st}
     stats = engine.coordinator.stats if engine.coordinator is not None else {}
     reduce_buffers = engine.reducer.buffer_bytes()
-    gather_buffers = engine.gatherer.buffer_bytes() if engine.gatherer else 0
+    # The staging buffers themselves (all back in the free pool between steps): the gatherer's
+    # buffer_bytes() counts every allocation at the largest size, also the undersized ones dropped.
+    gather_buffers = sum(_storages(engine.gatherer._free).values()) if engine.gatherer else 0
     measured = {"params": sum(param_st.values()), "grads": sum(grad_st.values()),
                 "optimizer": sum(optim_st.values())}
     paper = memory.model_state_bytes(layout.numel, engine.world_size, zero.stage, zero.dtype,

@@ -17,8 +17,14 @@ replicated); parameters a parent replaces later (the untied weight of a tied lay
 dropped. Random numbers are drawn exactly as in ``torch.manual_seed(seed); model_fn()``.
 
 A parent that *writes* a child's parameters after the child was built (``self.apply(init)``
-at the end of ``__init__``) would write into freed memory; that raises, with a message that
-says to initialise parameters in their own module or to pass ``sharded_init=False``.
+at the end of ``__init__``) would write into freed memory, and its values would be lost. So
+while construction runs, a freed parameter is a *placeholder*: its right shape, expanded
+(stride 0) from one element of a canary tensor. An initialiser writing into it either fails
+(``normal_``, ``uniform_``, ``copy_``: an in-place write to overlapping memory) or changes the
+canary (``fill_``, ``zero_``); a parent that rebinds ``.data`` leaves a parameter that is no
+longer a placeholder. Each raises ``ShardedInitError``, saying to initialise parameters in
+their own module or to pass ``sharded_init=False``. Once the model is built, the
+placeholders become empty tensors (no stride-0 tensor reaches ``model.to(device)``).
 """
 from __future__ import annotations
 
@@ -58,6 +64,41 @@ class ShardedInitError(RuntimeError):
     pass
 
 
+_CANARY = -1234.5
+_ADVICE = ("Sharded construction (stage 3) frees each module's parameters as soon as that module is "
+           "built, so a parent must not write a child's parameters afterwards (e.g. self.apply(init_fn) "
+           "at the end of __init__): initialise parameters in their own module (reset_parameters), or "
+           "pass ZeroConfig(sharded_init=False).")
+
+
+class _Placeholders:
+    """Stride-0 stand-ins for freed parameters, and the check that nobody wrote through them."""
+
+    def __init__(self) -> None:
+        self.canaries: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}  # 1 element each
+        self.freed: List[Tuple[str, torch.nn.Parameter]] = []  # (name, param) still in the model
+
+    def make(self, p: torch.Tensor) -> torch.Tensor:
+        key = (p.dtype, p.device)
+        if key not in self.canaries:
+            self.canaries[key] = torch.full((), _CANARY, dtype=p.dtype, device=p.device)
+        return self.canaries[key].expand(p.shape)
+
+    def check(self) -> None:
+        for canary in self.canaries.values():
+            if not bool(canary == torch.full((), _CANARY, dtype=canary.dtype, device=canary.device)):
+                raise ShardedInitError("model_fn wrote into a parameter after its module was built (a "
+                                       "fill_/zero_/constant_ on a freed parameter). " + _ADVICE)
+        for name, p in self.freed:
+            if p.untyped_storage().data_ptr() != self.canaries[(p.dtype, p.device)].untyped_storage().data_ptr():
+                raise ShardedInitError(f"model_fn replaced the values of parameter {name!r} after its module "
+                                       "was built (assigned its .data). " + _ADVICE)
+
+    def release(self) -> None:
+        for _, p in self.freed:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
 def build_sharded(model_fn: Callable[[], torch.nn.Module], seed: int, world_size: int, rank: int
                   ) -> Optional[Tuple[torch.nn.Module, FlatLayout, Dict[str, Tuple[int, int, torch.Tensor]]]]:
     """(model, layout, kept) where kept[name] = (lo, hi, values) is this rank's piece of each
@@ -89,6 +130,7 @@ def build_sharded(model_fn: Callable[[], torch.nn.Module], seed: int, world_size
 
     # Pass 2: for real, partition as each module finishes construction.
     kept: Dict[str, Tuple[int, int, torch.Tensor]] = {}
+    placeholders = _Placeholders()
     created = _Recorder()
     done = set()
     depth: Dict[int, int] = {}
@@ -109,8 +151,9 @@ def build_sharded(model_fn: Callable[[], torch.nn.Module], seed: int, world_size
                 u_lo, u_hi = layout.units[slot.unit].rank_range(rank)
                 lo, hi = max(u_lo, slot.offset) - slot.offset, min(u_hi, slot.offset + slot.numel) - slot.offset
                 flat = p.detach().reshape(-1)
-                kept[name] = (max(lo, 0), max(hi, 0), flat[lo:hi].clone() if hi > lo else flat[:0].clone())
-            p.data = torch.empty(0, dtype=p.dtype)  # freed; see [Note: sharded construction]
+                kept[name] = (lo, hi, flat[lo:hi].clone()) if hi > lo else (0, 0, flat[:0].clone())
+                placeholders.freed.append((name, p))
+            p.data = placeholders.make(p)  # freed; see [Note: sharded construction]
 
     originals = {}
     for cls in _all_module_classes():
@@ -135,15 +178,12 @@ def build_sharded(model_fn: Callable[[], torch.nn.Module], seed: int, world_size
         try:
             model = model_fn()
         except RuntimeError as e:
-            raise ShardedInitError(
-                f"building the model sharded failed ({e}). Sharded construction (stage 3) frees each "
-                "module's parameters as soon as that module is built, so a parent must not write a child's "
-                "parameters afterwards (e.g. self.apply(init_fn) at the end of __init__): initialise "
-                "parameters in their own module (reset_parameters), or pass ZeroConfig(sharded_init=False)."
-            ) from e
+            raise ShardedInitError(f"building the model sharded failed ({e}). " + _ADVICE) from e
         partition(model)
         for _, module in model.named_modules():
             partition(module)
+        placeholders.check()
+        placeholders.release()
     finally:
         handle.remove()
         for cls, init in originals.items():

@@ -138,18 +138,28 @@ class GradBuckets:
         return inp, out
 
     def add_grad(self, name: str, grad: torch.Tensor) -> None:
-        """Copy one parameter's (full, local) gradient into its buckets; launch what is ready."""
+        """Copy one parameter's (full, local) gradient into its buckets; launch what is ready.
+
+        Copies come in bucket order; each bucket is counted and launched as soon as its part is
+        copied, so a parameter spanning many buckets recycles a few buffers instead of holding one
+        per bucket."""
         flat = grad.reshape(-1)
-        touched = []
+        current = None
         for c in self.copies.get(name, ()):
+            if c.bucket != current:
+                if current is not None:
+                    self._arrived(current, name)
+                current = c.bucket
             inp, _ = self._acquire(c.bucket)
             inp[c.dst:c.dst + c.length].copy_(flat[c.src:c.src + c.length])
-            if (c.bucket, name) not in self._seen:
-                self._seen[(c.bucket, name)] = True
-                touched.append(c.bucket)
-        for b in touched:
-            self._pending[b] -= 1
-        self._launch_ready()
+        if current is not None:
+            self._arrived(current, name)
+
+    def _arrived(self, bucket: int, name: str) -> None:
+        if (bucket, name) not in self._seen:
+            self._seen[(bucket, name)] = True
+            self._pending[bucket] -= 1
+            self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
         while self._next_launch < len(self.buckets) and (force or self._pending[self._next_launch] == 0):

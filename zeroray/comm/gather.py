@@ -8,7 +8,8 @@ Staging buffers are bounded by ``bucket_bytes`` and reused.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from collections import deque
+from typing import Callable, Deque, List, Optional, Sequence
 
 import torch
 
@@ -37,11 +38,15 @@ class GatherHandle:
 
 
 class UnitGatherer:
+    MAX_STAGING = 2  # coalesced gathers in flight at once; more wait for the oldest to finish
+
     def __init__(self, layout: FlatLayout, group: Group, shard: torch.Tensor, bucket_bytes: int) -> None:
         self.layout, self.group, self.shard = layout, group, shard  # shard: 1D, compute dtype
         self.bucket_bytes = bucket_bytes
         self._free: List[torch.Tensor] = []
+        self._inflight: Deque[GatherHandle] = deque()  # coalesced gathers holding a staging buffer
         self.pool_size = 0
+        self._pool_bytes = 0
         self._staging_numel = 0  # grows to the largest coalesced group, which is <= bucket_bytes
 
     def coalesce(self, units: Sequence[int]) -> List[List[int]]:
@@ -78,6 +83,10 @@ class UnitGatherer:
             inp = self.shard[us[0].shard_offset:us[0].shard_offset + cols]
         else:
             inp = torch.cat([self.shard[u.shard_offset:u.shard_offset + u.shard_numel] for u in us])
+        while self._inflight and self._inflight[0].done:
+            self._inflight.popleft()
+        if not self._free and len(self._inflight) >= self.MAX_STAGING:
+            self._inflight.popleft().wait()  # recycle the oldest staging buffer: the pool stays constant
         staging = self._acquire(cols * self.group.world_size)
         out = staging[:cols * self.group.world_size]
         handle = self.group.all_gather(out, inp, async_op=async_op)
@@ -92,16 +101,23 @@ class UnitGatherer:
                     c += u.shard_numel
             self._free.append(staging)
 
-        return GatherHandle(units, handle, finish)
+        gathered = GatherHandle(units, handle, finish)
+        self._inflight.append(gathered)
+        return gathered
 
     def _acquire(self, numel: int) -> torch.Tensor:
         if self._free:
             buf = self._free.pop()
             if buf.numel() >= numel:
                 return buf
+            self.pool_size -= 1  # too small for this group: dropped, replaced below
+            self._pool_bytes -= buf.numel() * buf.element_size()
         self.pool_size += 1
         self._staging_numel = max(self._staging_numel, numel)
-        return torch.empty(self._staging_numel, dtype=self.shard.dtype, device=self.shard.device)
+        buf = torch.empty(self._staging_numel, dtype=self.shard.dtype, device=self.shard.device)
+        self._pool_bytes += buf.numel() * buf.element_size()
+        return buf
 
     def buffer_bytes(self) -> int:
-        return self.pool_size * self._staging_numel * self.shard.element_size()
+        """Bytes of the staging buffers allocated and not dropped (in use or free)."""
+        return self._pool_bytes
