@@ -39,9 +39,12 @@ class ZeroConfig:
     dtype: compute dtype of parameters and gradients; the optimizer keeps an fp32 master shard.
     reduce_dtype: dtype gradients are reduced in (None: fp32).
     bucket_bytes: size of one coalescing bucket (C_B) for gradient reduction and gathers.
-    prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use. Small
-        on purpose: a large window queues big gathers ahead of the gradient reduce-scatters
-        (gloo runs collectives in issue order), which measured slower (4 MiB beat 32 MiB).
+    prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use. About
+        one transformer block of a mid-size model: a window much larger than that queues big
+        gathers ahead of the gradient reduce-scatters (gloo runs collectives in issue order), one
+        smaller than the largest module leaves fetches on demand. Measured on this machine
+        (benchmarks/compare.py): 16 MiB with 16 MiB buckets beat 4/8 MiB by 8-14% on the --large
+        GPT and was within noise on the default one; 32 MiB (the whole default model) was slower.
     max_live_bytes: stage 3, bound on gathered parameter bytes held at once (excluding the
         module being computed, which must always be gathered).
     reuse_distance: stage 3, a module whose parameters are needed again within this many
@@ -52,8 +55,8 @@ class ZeroConfig:
     stage: int = 3
     dtype: str = "fp32"
     reduce_dtype: Optional[str] = None
-    bucket_bytes: int = 8 * 2**20
-    prefetch_bytes: int = 4 * 2**20
+    bucket_bytes: int = 16 * 2**20
+    prefetch_bytes: int = 16 * 2**20
     max_live_bytes: int = 256 * 2**20
     reuse_distance: int = 2
     prefetch: bool = True
