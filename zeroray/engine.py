@@ -418,12 +418,7 @@ class Engine:
         """This rank's fp32 master in the layout's shard coordinates (all stages alike)."""
         if self.zero.stage > 0:
             return self.master.detach().cpu().clone()
-        out = torch.zeros(self.layout.shard_numel, dtype=torch.float32)
-        for unit in self.layout.units:
-            lo, hi = unit.rank_range(self.rank)
-            out[unit.shard_offset:unit.shard_offset + hi - lo] = \
-                self.master[unit.full_offset + lo:unit.full_offset + hi].cpu()
-        return out
+        return self._full_to_shard(self.master.detach())
 
     def _full_to_shard(self, full: torch.Tensor) -> torch.Tensor:
         """Stage 0 keeps full-size tensors; checkpoints hold every stage in shard coordinates."""

@@ -8,12 +8,9 @@ the last checkpoint and replays the data from there.
 from __future__ import annotations
 
 import logging
-import math
-import os
-import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -21,8 +18,6 @@ from zeroray.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
 from zeroray.engine import batch_size, batch_structure, split_batch, structure_changed
-from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
-from zeroray.runtime.progress import Progress
 from zeroray.runtime.worker_group import WorkerGroup, ensure_ray
 
 log = logging.getLogger("zeroray")
