@@ -209,6 +209,14 @@ def _check_betas(cls: str, betas: Any) -> None:
         _fail(cls, "betas", betas, "it must be two numbers in [0, 1)")
 
 
+# The fused kernel updates the flat master in one pass with no temporaries. The default
+# (single-tensor) kernel allocates several master-sized temporaries per step, which on CPU
+# are fresh mmap'ed pages each time: 12.5M elements take 135 ms per step against 17 ms
+# fused (benchmarks/compare.py --large, one thread). Results differ from it by rounding
+# only (2.4e-7 after 20 steps).
+_ADAM_KERNEL = {"fused": True}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Adam(_OptimizerSpec):
     betas: Tuple[float, float] = (0.9, 0.999)
@@ -226,7 +234,7 @@ class Adam(_OptimizerSpec):
         import torch
 
         return torch.optim.Adam(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
-                                weight_decay=self.weight_decay, foreach=False)
+                                weight_decay=self.weight_decay, **_ADAM_KERNEL)
 
     @property
     def state_floats_per_param(self) -> int:
@@ -241,7 +249,7 @@ class AdamW(Adam):
         import torch
 
         return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
-                                 weight_decay=self.weight_decay, foreach=False)
+                                 weight_decay=self.weight_decay, **_ADAM_KERNEL)
 
 
 @dataclass(frozen=True, kw_only=True)

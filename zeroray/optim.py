@@ -111,7 +111,8 @@ class ShardedOptimizer:
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (already averaged) gradient: one all-reduce of squared norms."""
-        sumsq = self.grad.pow(2).sum().reshape(1)
+        # vector_norm, not pow(2).sum(): no gradient-sized temporary
+        sumsq = torch.linalg.vector_norm(self.grad).square().reshape(1)
         if self.group is not None and self.group.world_size > 1:
             self.group.all_reduce(sumsq)
         return math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("inf")

@@ -129,8 +129,9 @@ class GradBuckets:
             inp, out = self._free.pop()
         else:
             inp = torch.empty(self.rows * self.max_row_numel, dtype=self.dtype, device=self.target.device)
+            # reduce-scatter: the output, then the group's scratch (received rows on gloo)
             out = inp[:self.max_row_numel] if self.mode == "all_reduce" else torch.empty(
-                self.max_row_numel, dtype=self.dtype, device=self.target.device)
+                self._out_numel(), dtype=self.dtype, device=self.target.device)
             self.pool_size += 1
         rows = self.buckets[bucket].row_numel
         inp[:self.rows * rows].zero_()  # padding columns carry no gradient
@@ -167,7 +168,8 @@ class GradBuckets:
             inp, out = self._acquire(b)
             rows = self.buckets[b].row_numel
             if self.mode == "reduce_scatter":
-                handle = self.group.reduce_scatter(out[:rows], inp[:self.rows * rows], async_op=True)
+                handle = self.group.reduce_scatter(out[:rows], inp[:self.rows * rows], async_op=True,
+                                                   scratch=out[self.max_row_numel:])
             else:
                 handle = self.group.all_reduce(inp[:rows], async_op=True)
             self._inflight.append((b, handle))
@@ -193,8 +195,11 @@ class GradBuckets:
 
     def buffer_bytes(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        per = self.rows * self.max_row_numel + (0 if self.mode == "all_reduce" else self.max_row_numel)
+        per = self.rows * self.max_row_numel + (0 if self.mode == "all_reduce" else self._out_numel())
         return self.pool_size * per * elem
+
+    def _out_numel(self) -> int:
+        return self.max_row_numel + self.group.scratch_numel(self.max_row_numel)
 
 
 def default_unit_order(layout: FlatLayout, trace_units: Optional[Sequence[int]] = None) -> List[int]:

@@ -21,9 +21,11 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Protocol
+from typing import Dict, Optional, Protocol
 
 import torch
+
+from zeroray.comm.exchange import PeerExchange
 
 
 class Handle(Protocol):
@@ -106,8 +108,14 @@ class Group:
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False) -> Handle:
         raise NotImplementedError
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False) -> Handle:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
+                       scratch: Optional[torch.Tensor] = None) -> Handle:
+        """``scratch``: optional reused buffer of ``scratch_numel(out.numel())`` elements."""
         raise NotImplementedError
+
+    def scratch_numel(self, out_numel: int) -> int:
+        """Working space a reduce-scatter into ``out_numel`` elements needs (0: none)."""
+        return 0
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         raise NotImplementedError
@@ -133,7 +141,7 @@ class SoloGroup(Group):
             out.copy_(inp)
         return DoneHandle()
 
-    def reduce_scatter(self, out, inp, async_op=False):
+    def reduce_scatter(self, out, inp, async_op=False, scratch=None):
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return DoneHandle()
@@ -154,9 +162,13 @@ class TorchGroup(Group):
 
     _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
-    def __init__(self, pg, rank: int, world_size: int, backend: str) -> None:
+    def __init__(self, pg, rank: int, world_size: int, backend: str, *, point_to_point: Optional[bool] = None) -> None:
         self.pg, self.rank, self.world_size, self.backend = pg, rank, world_size, backend
         self.counter = CommCounter()
+        # See [Note: gloo point-to-point]; NCCL's own collectives are the fast path on GPUs.
+        if point_to_point is None:
+            point_to_point = backend == "gloo"
+        self.exchange = PeerExchange(pg, rank, world_size, self.counter) if point_to_point else None
 
     def _ring(self, n: int) -> int:
         return n * (self.world_size - 1) // self.world_size
@@ -178,16 +190,29 @@ class TorchGroup(Group):
             handle.wait()
         return handle
 
+    @staticmethod
+    def _sync(handle: Handle, async_op: bool) -> Handle:
+        if not async_op:
+            handle.wait()
+        return handle
+
     def all_gather(self, out, inp, async_op=False):
         assert out.numel() == inp.numel() * self.world_size, (out.shape, inp.shape)
         self.counter.add("all_gather", _nbytes(out), self._ring(_nbytes(out)))
+        if self.exchange is not None:
+            return self._sync(self.exchange.all_gather(out, inp), async_op)
         return self._done(self.pg._allgather_base(out, inp), async_op)
 
-    def reduce_scatter(self, out, inp, async_op=False):
+    def scratch_numel(self, out_numel: int) -> int:
+        return self.exchange.scratch_numel(out_numel) if self.exchange is not None else 0
+
+    def reduce_scatter(self, out, inp, async_op=False, scratch=None):
         assert inp.numel() == out.numel() * self.world_size, (out.shape, inp.shape)
         import torch.distributed as dist
 
         self.counter.add("reduce_scatter", _nbytes(inp), self._ring(_nbytes(inp)))
+        if self.exchange is not None:
+            return self._sync(self.exchange.reduce_scatter(out, inp, scratch), async_op)
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         return self._done(self.pg._reduce_scatter_base(out, inp, opts), async_op)
@@ -213,7 +238,7 @@ class TorchGroup(Group):
         abort = getattr(self.pg, "abort", None)
         if abort is not None and self.backend == "nccl":
             abort()
-        self.pg = None
+        self.pg = self.exchange = None
 
 
 def make_torch_group(backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
