@@ -48,7 +48,8 @@ class ZeroConfig:
     max_live_bytes: stage 3, bound on gathered parameter bytes held at once (excluding the
         module being computed, which must always be gathered).
     reuse_distance: stage 3, a module whose parameters are needed again within this many
-        module calls is kept gathered instead of refetched.
+        module calls is kept gathered instead of refetched (as is one whose next use lies within
+        the prefetch window: the prefetcher would fetch it again at once).
     prefetch: stage 3, turn the trace-based prefetch on or off (off: synchronous fetch).
     """
 

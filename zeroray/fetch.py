@@ -8,7 +8,13 @@ checks it recorded the same sequence (a mismatch is an error naming the first di
 module: the ranks would otherwise issue different collectives). From then on, when event
 ``i`` happens the coordinator starts the all-gathers of the units of events ``i+1, ...``
 without waiting, up to ``prefetch_bytes`` ahead and ``max_live_bytes`` gathered in all.
-After a module ran, a unit needed again within ``reuse_distance`` events stays gathered.
+After a module ran, a unit needed again within ``reuse_distance`` events stays gathered,
+and so does one whose next use lies inside the prefetch window (``prefetch_bytes`` of
+upcoming events' parameters): the prefetcher would gather it again right away, so freeing
+it would only repeat the all-gather. This is what keeps the last modules of forward
+gathered into backward (FSDP keeps its root for the same reason), and a model that fits in
+the window is gathered once per step instead of twice; the gathered bytes stay bounded by
+the window, as they were already while prefetching.
 In backward a unit is freed once all of its parameters' gradients have been handed to the
 reducer. If a step departs from the trace (a data-dependent branch), prefetching stops for
 the rest of that step, every fetch is on demand (still correct), the new order is recorded,
@@ -105,6 +111,11 @@ class FetchCoordinator:
             self._logged_deviation = True
         self.trace = list(events)
         self._next_use = self._compute_next_use(self.trace)
+        # _cum_bytes[i]: parameter bytes of events 0..i-1 (a unit counted at each use), the
+        # prefetcher's measure of distance along the trace
+        self._cum_bytes = [0]
+        for event in self.trace:
+            self._cum_bytes.append(self._cum_bytes[-1] + sum(self.buffers.unit_bytes(u) for u in self._event_units(event)))
 
     def _compute_next_use(self, trace: List[Event]) -> List[Dict[int, int]]:
         """For each event index, unit -> index of that unit's next use after it."""
@@ -148,10 +159,17 @@ class FetchCoordinator:
         return hook
 
     def _needed_soon(self, unit: int) -> bool:
+        """Keep ``unit`` gathered: its next use is within reuse_distance events or the prefetch window."""
         if not self.following or self.pos == 0:
             return False
         nxt = self._next_use[self.pos - 1].get(unit)
-        return nxt is not None and nxt - (self.pos - 1) <= self.reuse_distance
+        if nxt is None:
+            return False
+        if nxt - (self.pos - 1) <= self.reuse_distance:
+            return True
+        ahead = self._cum_bytes[nxt] - self._cum_bytes[self.pos] + self.buffers.unit_bytes(unit)
+        return (self.prefetch_enabled and ahead <= self.prefetch_bytes
+                and self.buffers.gathered_bytes() <= self.max_live_bytes)
 
     def ensure_module(self, module: torch.nn.Module) -> None:
         """Gather a module's units outside its hooks (recomputation under activation checkpointing)."""

@@ -47,6 +47,8 @@ CASES = {
     "stage3-tiny-buckets": (lambda b: _spec(3, b, bucket_bytes=64, prefetch_bytes=64, max_live_bytes=200,
                                             reuse_distance=0), "adamw"),
     "stage2-tiny-buckets": (lambda b: _spec(2, b, bucket_bytes=40), "adamw"),
+    # A window smaller than any module and no reuse: every unit is gathered again in backward.
+    "stage3-regather": (lambda b: _spec(3, b, prefetch_bytes=64, reuse_distance=0), "adamw"),
     # A data-dependent branch (same on every rank). A module skipped in a step gets a zero gradient,
     # as under DDP and FSDP (plain torch would skip it in the optimizer): the reference does the same.
     "stage3-branch": (lambda b: _spec(3, b, model_fn=branch_model), "branch"),
@@ -81,11 +83,18 @@ def test_parity_every_stage_and_coordinator_setting(references, world):
             ratio = results[0]["reports"][-1]["total_bytes"] / stage0_bytes
             assert 0.95 <= ratio <= 1.05, (name, ratio)
         if name == "stage3" and world > 1:
+            # The whole model fits the default prefetch window, so what forward gathered stays
+            # gathered through backward: one all-gather and one reduce-scatter, 2Φ.
             ratio = results[0]["reports"][-1]["total_bytes"] / stage0_bytes
-            assert 1.4 <= ratio <= 1.6, (name, ratio)  # 3Φ vs 2Φ
-            print(f"{world} workers: bytes per step vs stage 0: stage 3 {ratio:.3f}")
+            assert 0.95 <= ratio <= 1.05, (name, ratio)
             fetch = results[0]["reports"][-1]["fetch"]
             assert fetch["prefetch_hits"] > fetch["on_demand"], fetch
+        if name == "stage3-regather" and world > 1:
+            # The paper's 3Φ against 2Φ, or more: this model also uses the tied embedding and
+            # the shared layer twice in forward, and without reuse each use gathers again.
+            ratio = results[0]["reports"][-1]["total_bytes"] / stage0_bytes
+            assert ratio >= 1.45, (name, ratio)
+            print(f"{world} workers: bytes per step vs stage 0: stage 3 {ratio:.3f}")
 
 
 def test_trace_mismatch_is_an_error_naming_the_module():
