@@ -1,6 +1,6 @@
 """zeroray side by side with the compute floor, torch DDP, torch FSDP2 and DeepSpeed.
 
-    python benchmarks/compare.py [--large] [--steps N] [--workers 2]
+    python benchmarks/compare.py [--large] [--steps N] [--rounds R] [--workers 2]
         [--only floor,ddp,fsdp2,zr0,zr1,zr2,zr3,ds1,ds2,ds3] [--json out.json] [--zr-prefetch on|off]
 
 Every row trains the same GPT (examples/gpt.py) from the same initial weights on the same
@@ -8,6 +8,11 @@ real-text global batches, one row after another (never two at once), with one th
 worker. It prints median s/step, the ratio to the floor, peak RSS per worker and bytes
 communicated per worker per step, checks that the multi-worker rows agree on the loss, and
 writes everything to JSON. See benchmarks/README.md for what each column means.
+
+This machine's speed drifts by 10-20% over minutes, which moves a row run at another
+time more than the differences being measured. ``--rounds R`` runs the whole sequence of
+rows R times; each row's median is over its timed steps of every round, and the ratios
+the targets are stated in (zr3/fsdp2, zr1/ddp, zr2/ddp) are printed per round as well.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--large", action="store_true", help="d_model 512, 8 layers, 8 heads (default: 256, 4, 4)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per row (median reported; default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every row this many times, one round after another (default 1)")
     p.add_argument("--workers", type=int, default=2, help="workers for every multi-worker row (default 2)")
     p.add_argument("--only", default=",".join(ALL_ROWS), help="comma-separated rows, in any order")
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "compare.json"),
@@ -59,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"--only: unknown row(s) {unknown}; choose from {','.join(ALL_ROWS)}")
     args.rows = [r for r in ALL_ROWS if r in args.rows]  # always the canonical order
-    for name in ("steps", "workers", "batch", "threads", "seq_len"):
+    for name in ("steps", "workers", "batch", "threads", "seq_len", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
@@ -165,6 +172,41 @@ def run_all(spec: BenchSpec, args) -> dict:
 
 
 # --------------------------------------------------------------------------- derived numbers
+
+# The issue's targets, as (row, peer, at most).
+TARGETS = (("zr3", "fsdp2", 0.90), ("zr1", "ddp", 1.10), ("zr2", "ddp", 1.10))
+
+
+def merge_rounds(rounds: list, spec: BenchSpec) -> dict:
+    """One record per row: round 1's record, with every round's timed steps pooled."""
+    records = {}
+    for row, first in rounds[0].items():
+        rec = dict(first)
+        ok = [r[row] for r in rounds if r.get(row, {}).get("status") == "ok"]
+        if ok and len(rounds) > 1:
+            rec = dict(ok[0])
+            rec["step_s"] = ok[0]["step_s"][:spec.warmup_steps] + [
+                t for r in ok for t in r["step_s"][spec.warmup_steps:]]
+            rec["round_medians"] = [median(r["step_s"][spec.warmup_steps:]) for r in ok]
+            rec["comm"], rec["memory_report"] = ok[-1].get("comm"), ok[-1].get("memory_report")
+        records[row] = rec
+    return records
+
+
+def target_ratios(rounds: list, records: dict, spec: BenchSpec) -> dict:
+    """Each target ratio over the pooled steps and per round, with whether it is met."""
+    values, lines = {}, []
+    for row, peer, limit in TARGETS:
+        if records.get(row, {}).get("status") != "ok" or records.get(peer, {}).get("status") != "ok":
+            continue
+        pooled = records[row]["step_s_median"] / records[peer]["step_s_median"]
+        per_round = [median(r[row]["step_s"][spec.warmup_steps:]) / median(r[peer]["step_s"][spec.warmup_steps:])
+                     for r in rounds if r.get(row, {}).get("status") == "ok" and r.get(peer, {}).get("status") == "ok"]
+        values[f"{row}/{peer}"] = {"pooled": pooled, "per_round": per_round, "target": limit}
+        rounds_text = f" (rounds: {', '.join(f'{x:.3f}' for x in per_round)})" if len(per_round) > 1 else ""
+        lines.append(f"{row}/{peer} = {pooled:.3f}{rounds_text}, target <= {limit:.2f}: "
+                     f"{'met' if pooled <= limit else 'NOT met'}")
+    return {"values": values, "lines": lines}
 
 def derive(records: dict, spec: BenchSpec) -> None:
     """Add the table's numbers to each ok record: median, x floor, MB per worker."""
@@ -298,12 +340,20 @@ def main(argv=None) -> int:
         f"{spec.batch_per_worker} seqs, {spec.threads} thread/worker, {spec.warmup_steps} warmup + "
         f"{spec.timed_steps} timed steps; load average {env['loadavg_start'][0]:.2f} on {env['cpu_count']} cores")
 
-    records = run_all(spec, args)
+    rounds = []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            log(f"--- round {r + 1} of {args.rounds}")
+        rounds.append(run_all(spec, args))
+    records = merge_rounds(rounds, spec)
     derive(records, spec)
     warnings = check_losses(records, spec)
     env = {**environment(), "loadavg_start": env["loadavg_start"], "loadavg_end": os.getloadavg()}
 
     print(table(records))
+    ratios = target_ratios(rounds, records, spec)
+    for line in ratios["lines"]:
+        print(line)
     skipped = [f"{k}: {r['note']}" for k, r in records.items() if r.get("status") == "skipped"]
     ds_skipped = [k for k, r in records.items() if r.get("status") == "skipped" and k.startswith("ds")]
     if ds_skipped:
@@ -317,6 +367,8 @@ def main(argv=None) -> int:
         "zr_prefetch": args.zr_prefetch,
         "environment": env,
         "rows": records,
+        "rounds": args.rounds,
+        "target_ratios": ratios["values"],
         "skipped": skipped,
         "warnings": warnings,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
