@@ -87,7 +87,7 @@ def run_engines(world, specs):
             for p in procs:
                 if p.is_alive():
                     p.kill()
-            raise RuntimeError("engine worker failed:\n" + "\n".join(errors))
+            raise RuntimeError(f"engine worker failed (exit codes {[p.exitcode for p in procs]}):\n" + "\n".join(errors))
         out = []
         for index in range(len(specs)):
             results = [torch.load(os.path.join(out_dir, f"spec{index}_rank{r}.pt"), weights_only=False)

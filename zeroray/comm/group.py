@@ -238,6 +238,8 @@ class TorchGroup(Group):
         abort = getattr(self.pg, "abort", None)
         if abort is not None and self.backend == "nccl":
             abort()
+        if self.exchange is not None:
+            self.exchange.close()
         self.pg = self.exchange = None
 
 

@@ -1,0 +1,79 @@
+"""The gloo point-to-point exchange against gloo's own collectives, in real gloo processes."""
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from zeroray.comm.group import TorchGroup, free_port, make_torch_group
+
+
+def _rank(rank, world, port, out_dir):
+    try:
+        torch.manual_seed(rank)
+        native = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=3)
+        p2p = TorchGroup(native.pg, rank, world, "gloo", point_to_point=True)
+        native.exchange = None
+        results = {}
+        for n in (1, 7, 1000, 100003):  # per-rank row sizes, odd ones included
+            full = torch.randn(world * n)
+            want_rs, got_rs = torch.empty(n), torch.empty(n)
+            native.reduce_scatter(want_rs, full)
+            handle = p2p.reduce_scatter(got_rs, full, async_op=True, scratch=torch.empty(p2p.scratch_numel(n)))
+            handle.wait()
+            want_ag, got_ag = torch.empty(world * n), torch.empty(world * n)
+            native.all_gather(want_ag, got_rs)
+            p2p.all_gather(got_ag, got_rs)  # synchronous, and no scratch given to the next one
+            p2p.reduce_scatter(torch.empty(n), full)
+            results[n] = ((got_rs - want_rs).abs().max().item(), torch.equal(got_ag, want_ag))
+        p2p.counter.reset()
+        h = p2p.all_gather(torch.empty(world * 1000), torch.ones(1000), async_op=True)
+        time.sleep(0.3)  # the exchange completes meanwhile: counted in comm_s, not in exposed
+        h.wait()
+        counter = (p2p.counter.wait_s, p2p.counter.comm_s)
+        # A receive whose sender never sends: gloo's timeout, raised by the caller's wait().
+        error, t0 = None, time.perf_counter()
+        if rank == 0:
+            try:
+                p2p.exchange.all_gather(torch.empty(world * 5), torch.ones(5)).wait()
+            except RuntimeError as e:
+                error = str(e)
+        else:
+            time.sleep(4)
+        torch.save({"results": results, "counter": counter, "error": error, "error_s": time.perf_counter() - t0},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+        p2p.close()
+        native.close()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _run(world):
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx, port = mp.get_context("spawn"), free_port()
+        procs = [ctx.Process(target=_rank, args=(r, world, port, out_dir)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        errors = [open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir) if f.startswith("error")]
+        assert not errors and all(p.exitcode == 0 for p in procs), (errors, [p.exitcode for p in procs])
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+def test_exchange_matches_gloo_collectives_and_times_and_times_out():
+    for world in (2, 3):
+        ranks = _run(world)
+        for r, out in enumerate(ranks):
+            for n, (rs_err, ag_equal) in out["results"].items():
+                assert rs_err <= 1e-5, (world, r, n, rs_err)
+                assert ag_equal, (world, r, n)
+            exposed, total = out["counter"]
+            # stamped when the watcher saw it complete, not when the caller came to wait
+            assert exposed < 0.1 and total < 0.25, (exposed, total)
+        assert "Timed out" in ranks[0]["error"], ranks[0]["error"]
+        assert 2.5 <= ranks[0]["error_s"] <= 10, ranks[0]["error_s"]
