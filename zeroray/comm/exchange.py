@@ -67,7 +67,7 @@ class Exchange:
         t0 = time.perf_counter()
         self.event.wait()
         self.counter.wait_s += time.perf_counter() - t0
-        self.counter.comm_s += self.done_at - self.started
+        self.counter.add_busy(self.started, self.done_at)
         self.works = self.finish = None
         if self.error is not None:
             raise self.error

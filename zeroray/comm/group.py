@@ -55,7 +55,18 @@ class CommCounter:
 
     collectives: Dict[str, CollectiveStats] = field(default_factory=dict)
     wait_s: float = 0.0  # time the compute thread spent blocked in wait() (exposed)
-    comm_s: float = 0.0  # sum over collectives of launch-to-completion time (total)
+    comm_s: float = 0.0  # wall time with at least one collective in flight (total)
+    _covered_until: float = 0.0
+
+    def add_busy(self, started: float, done: float) -> None:
+        """Count [started, done] into comm_s, minus what earlier collectives already covered.
+
+        Collectives overlap (a prefetch window is several gathers in flight), so summing their
+        durations would count the same seconds many times over. Intervals are added when the
+        caller waits, which is launch order but for a few prefetches waited out of turn; in
+        launch order this is exactly the length of their union, otherwise close to it."""
+        self.comm_s += max(0.0, done - max(started, self._covered_until))
+        self._covered_until = max(self._covered_until, done)
 
     def add(self, name: str, payload: int, ring: int) -> None:
         s = self.collectives.setdefault(name, CollectiveStats())
@@ -67,6 +78,7 @@ class CommCounter:
         self.collectives.clear()
         self.wait_s = 0.0
         self.comm_s = 0.0
+        self._covered_until = 0.0
 
     @property
     def total_bytes(self) -> int:
@@ -179,7 +191,7 @@ class TorchGroup(Group):
 
         def finished(_fut) -> None:
             # Runs on the backend's thread when the collective completes.
-            counter.comm_s += time.perf_counter() - started
+            counter.add_busy(started, time.perf_counter())
 
         try:
             work.get_future().add_done_callback(finished)
