@@ -178,6 +178,8 @@ class Engine:
         if zero.stage == 3:
             self._build_coordinator()
         self._register_grad_hooks(named)
+        self._pending_publish: Dict[int, Any] = {}  # unit -> gather handle still in flight
+        self._publish_hooks = self._register_publish_hooks() if zero.stage in (1, 2) else []
         self._build_activations()
         self.scaler = (LossScaler(zero.initial_loss_scale, zero.loss_scale_growth_factor,
                                   zero.loss_scale_backoff_factor, zero.loss_scale_growth_interval,
@@ -335,6 +337,7 @@ class Engine:
             self.activations.begin()
             with self.activations.hooks():
                 loss = self.loss_fn(self.model, mb)
+            self.flush_params()  # units no module ran this forward
             self.activations.end_forward()
             self._check_loss(loss)
             losses.append(float(loss.detach().float()))
@@ -367,7 +370,7 @@ class Engine:
             self.optimizer.skip()
         else:
             self.optimizer.step(norm)
-            self._publish_params()
+            self._publish_params(defer=True)
         self.step_count += 1
         return StepStats(loss_value, norm, self.step_count, skipped,
                          self.scaler.scale if self.scaler else None, time.perf_counter() - t0)
@@ -384,9 +387,19 @@ class Engine:
         # in a collective. Its gradients turn non-finite, every rank sees the non-finite global
         # norm, and all raise together (fp32/bf16) or skip the step together (fp16).
 
-    def _publish_params(self) -> None:
-        """Make the updated master visible to compute: cast, and gather for stages 1-2."""
+    def _publish_params(self, defer: bool = False) -> None:
+        """Make the updated master visible to compute: cast, and gather for stages 1-2.
+
+        [Note: deferred publish]
+        With ``defer`` the stage 1-2 all-gathers of the updated parameters are only launched
+        here; the next forward waits for each unit's gather in the pre-hook of the first
+        module that uses it, so the gathers run while the driver sends the next batch and
+        while the earlier modules compute (the paper's overlap, as stage 3's prefetch does).
+        Only forward reads the full parameters; ``flush_params`` finishes whatever forward
+        did not wait for, and every other path that reads or rewrites them calls it first.
+        """
         stage, fp32 = self.zero.stage, self.dtype == torch.float32
+        self.flush_params()
         with torch.no_grad():
             if stage == 0:
                 if not fp32:
@@ -396,10 +409,34 @@ class Engine:
                 self.param_shard.copy_(self.master)
             if stage in (1, 2):
                 units = [u.index for u in self.layout.units]
-                handles = [self.gatherer.gather(g, [self.buffers.full[u] for u in g], async_op=True)
-                           for g in self.gatherer.coalesce(units)]
-                for h in handles:
-                    h.wait()
+                for g in self.gatherer.coalesce(units):
+                    handle = self.gatherer.gather(g, [self.buffers.full[u] for u in g], async_op=True)
+                    for u in g:
+                        self._pending_publish[u] = handle
+                if not defer:
+                    self.flush_params()
+
+    def flush_params(self) -> None:
+        """Wait for every parameter gather still in flight (stages 1-2, [Note: deferred publish])."""
+        while self._pending_publish:
+            _, handle = self._pending_publish.popitem()
+            with torch.no_grad():
+                handle.wait()
+
+    def _register_publish_hooks(self) -> list:
+        by_name = dict(self.model.named_modules(remove_duplicate=False))
+        pending = self._pending_publish
+
+        def make_hook(units):
+            def hook(module, args):
+                if pending:
+                    for u in units:
+                        handle = pending.pop(u, None)
+                        if handle is not None:
+                            with torch.no_grad():
+                                handle.wait()
+            return hook
+        return [by_name[m].register_forward_pre_hook(make_hook(units)) for m, units in self.layout.module_units.items()]
 
     # --- inspection and state --------------------------------------------------------------
 
@@ -473,5 +510,8 @@ class Engine:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if k not in trained}
 
     def close(self) -> None:
+        self.flush_params()
+        for h in self._publish_hooks:
+            h.remove()
         if self.coordinator is not None:
             self.coordinator.remove()

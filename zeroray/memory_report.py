@@ -44,6 +44,7 @@ def measure(engine) -> Dict[str, Any]:
     """
     zero, layout = engine.zero, engine.layout
     buffers = engine.buffers
+    engine.flush_params()  # the stage 1-2 gathers of the last step, still in flight (see engine.py)
     param_st = _storages(list(buffers.full) + [buffers.arena, engine.param_shard])
     grad_st = {k: v for k, v in _storages([engine.grad]).items() if k not in param_st}
     optim_st = {k: v for k, v in _storages([engine.master] + _optimizer_state_tensors(engine)).items()
