@@ -12,118 +12,169 @@ norm, opt, publish (stages 1-2 gather launch), total; for zeroray also ``exposed
 Ray, this separates the engine's cost from the runtime's; ``exposed`` with prefetch on and off
 is the issue's "exposed communication" comparison as a median over steps.
 """
-import os, sys, time, json, statistics
+from __future__ import annotations
+
+import cProfile
+import functools
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "examples"), ROOT]
-import torch, torch.multiprocessing as mp
+for _path in (os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "examples"), ROOT):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
-PROFS = []
-def med(xs): return statistics.median(xs)
+from common import BenchSpec, build_model, global_batches, gpt_config, worker_slice  # noqa: E402
 
-def coll_bench(rank, world, port):
+
+def _medians(rows: list, warmup: int) -> dict:
+    return {k: statistics.median(r[k] for r in rows[warmup:]) for k in rows[-1]}
+
+
+def collectives_row(rank: int, world: int, port: int) -> dict:
+    """13 MB (the default model's gradients) through each collective the stages use."""
     from zeroray.comm.group import make_torch_group
-    g = make_torch_group("gloo", rank, world, "127.0.0.1", port)
-    n = 13_000_000 // 4
-    t = torch.randn(n); out = torch.empty(n // world); full = torch.empty(n)
-    res = {}
-    for name, fn in [("allreduce", lambda: g.all_reduce(t)),
-                     ("reduce_scatter", lambda: g.reduce_scatter(out, t)),
-                     ("all_gather", lambda: g.all_gather(full, out))]:
-        ts = []
-        for i in range(8):
-            t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
-        res[name] = med(ts[2:])
-    g.close()
-    return res
 
-def engine_run(rank, world, port, stage, spec, extra):
-    from common import global_batches, worker_slice, gpt_config
+    group = make_torch_group("gloo", rank, world, "127.0.0.1", port)
+    n = 13_000_000 // 4 // world * world
+    full, shard, gathered = torch.randn(n), torch.empty(n // world), torch.empty(n)
+    calls = {"all_reduce": lambda: group.all_reduce(full),
+             "reduce_scatter": lambda: group.reduce_scatter(shard, full),
+             "all_gather": lambda: group.all_gather(gathered, shard)}
+    out = {}
+    for name, call in calls.items():
+        times = []
+        for _ in range(8):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times[2:])
+    group.close()
+    return out
+
+
+def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, overrides: dict) -> dict:
+    import zeroray as zr
     from gpt import GPT, gpt_loss
-    import functools
     from zeroray.comm.group import make_torch_group
     from zeroray.engine import Engine
-    from zeroray.config import ZeroConfig
-    import zeroray as zr
-    g = make_torch_group("gloo", rank, world, "127.0.0.1", port)
-    T = {}
+
+    group = make_torch_group("gloo", rank, world, "127.0.0.1", port)
+    phases: dict = {}
+
     def timed(name, fn):
-        def w(*a, **k):
-            t0 = time.perf_counter(); r = fn(*a, **k); T[name] = T.get(name, 0) + time.perf_counter() - t0; return r
-        return w
-    loss_fn = timed("fwd", gpt_loss)
-    eng = Engine(functools.partial(GPT, gpt_config(spec)), loss_fn, zr.AdamW(lr=spec.lr, weight_decay=spec.weight_decay),
-                 ZeroConfig(stage=stage, **extra), g, seed=spec.seed)
-    eng.reducer.finish = timed("finish", eng.reducer.finish)
-    eng.optimizer.grad_norm = timed("norm", eng.optimizer.grad_norm)
-    eng.optimizer.step = timed("opt", eng.optimizer.step)
-    eng._publish_params = timed("publish", eng._publish_params)
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            result = fn(*args, **kwargs)
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+            return result
+        return wrapper
+
+    engine = Engine(functools.partial(GPT, gpt_config(spec)), timed("fwd", gpt_loss),
+                    zr.AdamW(lr=spec.lr, weight_decay=spec.weight_decay),
+                    zr.ZeroConfig(stage=stage, **overrides), group, seed=spec.seed)
+    engine.reducer.finish = timed("finish", engine.reducer.finish)
+    engine.optimizer.grad_norm = timed("norm", engine.optimizer.grad_norm)
+    engine.optimizer.step = timed("opt", engine.optimizer.step)
+    engine._publish_params = timed("publish", engine._publish_params)
+    profile = cProfile.Profile() if os.environ.get("PROF") and rank == 0 else None
     rows = []
     for i, batch in enumerate(global_batches(spec)):
-        T.clear()
-        b = worker_slice(batch, rank, spec)
-        prof = os.environ.get("PROF") and rank == 0 and i >= 3
-        if prof:
-            import cProfile; pr = cProfile.Profile(); pr.enable()
-        t0 = time.perf_counter(); st = eng.train_step(b); tot = time.perf_counter() - t0
-        if prof:
-            pr.disable(); PROFS.append(pr)
-        T["total"] = tot
-        T["bwd"] = tot - sum(v for k, v in T.items() if k != "total")
-        if eng.coordinator is not None:
-            T.update({"c_" + k: v for k, v in eng.coordinator.stats.items()})
-        T["exposed"] = g.counter.wait_s; T["comm"] = g.counter.comm_s
-        rows.append(dict(T))
-    eng.close(); g.close()
-    if PROFS:
-        import pstats, io
-        st = pstats.Stats(PROFS[0]); [st.add(p) for p in PROFS[1:]]
-        st.sort_stats("tottime").print_stats(25)
-    return {k: med([r[k] for r in rows[3:]]) for k in rows[-1]}
+        phases.clear()
+        profiling = profile is not None and i >= spec.warmup_steps
+        if profiling:
+            profile.enable()
+        t0 = time.perf_counter()
+        engine.train_step(worker_slice(batch, rank, spec))
+        total = time.perf_counter() - t0
+        if profiling:
+            profile.disable()
+        row = {**phases, "total": total, "bwd": total - sum(phases.values())}
+        if engine.coordinator is not None:
+            row.update({"c_" + k: v for k, v in engine.coordinator.stats.items()})
+        row["exposed"], row["comm"] = group.counter.wait_s, group.counter.comm_s
+        rows.append(row)
+    engine.close()
+    group.close()
+    if profile is not None:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    return _medians(rows, spec.warmup_steps)
 
-def ddp_run(rank, world, port, spec):
+
+def ddp_row(rank: int, world: int, port: int, spec: BenchSpec) -> dict:
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from common import build_model, global_batches, worker_slice
     from gpt import gpt_loss
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     model = DDP(build_model(spec))
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
     rows = []
     for batch in global_batches(spec):
-        b = worker_slice(batch, rank, spec)
-        t0 = time.perf_counter(); opt.zero_grad(set_to_none=True)
-        loss = gpt_loss(model, b); t1 = time.perf_counter()
-        loss.backward(); t2 = time.perf_counter()
-        opt.step(); loss.item(); t3 = time.perf_counter()
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = gpt_loss(model, worker_slice(batch, rank, spec))
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        loss.item()
+        t3 = time.perf_counter()
         rows.append({"fwd": t1 - t0, "bwd": t2 - t1, "opt": t3 - t2, "total": t3 - t0})
     dist.destroy_process_group()
-    return {k: med([r[k] for r in rows[3:]]) for k in rows[-1]}
+    return _medians(rows, spec.warmup_steps)
 
-def main(rank, world, ports, what, out):
+
+def _rank(rank: int, world: int, ports: list, rows: list, large: bool, out: str) -> None:
     torch.set_num_threads(1)
-    from common import BenchSpec
-    large = os.environ.get("LARGE") or "--large" in what
-    spec = BenchSpec(d_model=512, n_layers=8, timed_steps=8) if large else BenchSpec(timed_steps=10)
-    res = {}
-    for i, w in enumerate(what):
-        if w == "--large":
-            continue
-        if w == "coll": res[w] = coll_bench(rank, world, ports[i])
-        elif w == "ddp": res[w] = ddp_run(rank, world, ports[i], spec)
+    spec = BenchSpec(d_model=512, n_layers=8, n_heads=8, timed_steps=8) if large else BenchSpec(timed_steps=10)
+    results = []
+    for port, row in zip(ports, rows):
+        if row == "coll":
+            results.append(collectives_row(rank, world, port))
+        elif row == "ddp":
+            results.append(ddp_row(rank, world, port, spec))
         else:
-            stage = int(w[1]); extra = json.loads(w[2:]) if len(w) > 2 else {}
-            res[w] = engine_run(rank, world, ports[i], stage, spec, extra)
+            overrides = json.loads(row[2:]) if len(row) > 2 else {}
+            results.append(engine_row(rank, world, port, int(row[1]), spec, overrides))
     if rank == 0:
-        with open(out, "w") as f: json.dump(res, f)
+        with open(out, "w") as f:
+            json.dump(results, f)
 
-if __name__ == "__main__":
+
+def main(argv=None) -> int:
     from zeroray.comm.group import free_port
-    what = sys.argv[1:]
-    ports = [free_port() for _ in what]
-    import tempfile
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    large = "--large" in args or bool(os.environ.get("LARGE"))
+    rows = [a for a in args if a != "--large"] or ["ddp", "s1", "s3"]
+    for row in rows:
+        if row not in ("coll", "ddp") and not (row[:1] == "s" and row[1:2] in "0123" and len(row) >= 2):
+            raise SystemExit(f"unknown row {row!r}: use coll, ddp, or s<stage>[JSON ZeroConfig overrides]")
     out = os.path.join(tempfile.mkdtemp(prefix="zr-phases-"), "out.json")
     ctx = mp.get_context("spawn")
-    ps = [ctx.Process(target=main, args=(r, 2, ports, what, out)) for r in range(2)]
-    [p.start() for p in ps]; [p.join() for p in ps]
-    for k, v in json.load(open(out)).items():
-        print(k, {a: round(b, 4) for a, b in v.items()})
+    ports = [free_port() for _ in rows]
+    procs = [ctx.Process(target=_rank, args=(r, 2, ports, rows, large, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode != 0 for p in procs):
+        print(f"a rank failed: exit codes {[p.exitcode for p in procs]}", file=sys.stderr)
+        return 1
+    with open(out) as f:
+        for row, result in zip(rows, json.load(f)):
+            print(row, {k: round(v, 4) for k, v in result.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,9 +42,11 @@ class ZeroConfig:
     prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use. About
         one transformer block of a mid-size model: a window much larger than that queues big
         gathers ahead of the gradient reduce-scatters (gloo runs collectives in issue order), one
-        smaller than the largest module leaves fetches on demand. Measured on this machine
-        (benchmarks/compare.py): 16 MiB with 16 MiB buckets beat 4/8 MiB by 8-14% on the --large
-        GPT and was within noise on the default one; 32 MiB (the whole default model) was slower.
+        smaller than the largest module leaves fetches on demand. A unit whose next use lies
+        inside the window stays gathered (see reuse_distance), so a model smaller than the window
+        is gathered once per step. Measured on this machine (benchmarks/compare.py, before that
+        rule): 16 MiB with 16 MiB buckets beat 4/8 MiB by 8-14% on the --large GPT and was within
+        noise on the default one.
     max_live_bytes: stage 3, bound on gathered parameter bytes held at once (excluding the
         module being computed, which must always be gathered).
     reuse_distance: stage 3, a module whose parameters are needed again within this many
