@@ -257,7 +257,8 @@ class Engine:
             mode="all_reduce" if self.zero.stage == 0 else "reduce_scatter",
             bucket_bytes=self.zero.bucket_bytes, dtype=self.reduce_dtype, unit_order=order)
 
-    def _build_coordinator(self) -> None:
+    def _modules_with_units(self) -> Tuple[List[torch.nn.Module], List[str], List[Tuple[int, ...]]]:
+        """Each module object that uses units (once, under its first name) and those units."""
         modules, names, units = [], [], []
         by_name = dict(self.model.named_modules(remove_duplicate=False))
         index_of: Dict[int, int] = {}
@@ -271,6 +272,10 @@ class Engine:
             modules.append(module)
             names.append(mname)
             units.append(tuple(unit_ids))
+        return modules, names, units
+
+    def _build_coordinator(self) -> None:
+        modules, names, units = self._modules_with_units()
         z = self.zero
         self.coordinator = FetchCoordinator(
             self.buffers, self.gatherer, self.group, modules, names, units, prefetch=z.prefetch,
@@ -424,7 +429,7 @@ class Engine:
                 handle.wait()
 
     def _register_publish_hooks(self) -> list:
-        by_name = dict(self.model.named_modules(remove_duplicate=False))
+        modules, _, module_units = self._modules_with_units()
         pending = self._pending_publish
 
         def make_hook(units):
@@ -436,7 +441,7 @@ class Engine:
                             with torch.no_grad():
                                 handle.wait()
             return hook
-        return [by_name[m].register_forward_pre_hook(make_hook(units)) for m, units in self.layout.module_units.items()]
+        return [m.register_forward_pre_hook(make_hook(units)) for m, units in zip(modules, module_units)]
 
     # --- inspection and state --------------------------------------------------------------
 

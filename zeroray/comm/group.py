@@ -197,10 +197,7 @@ class TorchGroup(Group):
             work.get_future().add_done_callback(finished)
         except (RuntimeError, AttributeError):  # a backend without futures: total time unknown
             pass
-        handle = _TimedHandle(work, self.counter)
-        if not async_op:
-            handle.wait()
-        return handle
+        return self._sync(_TimedHandle(work, self.counter), async_op)
 
     @staticmethod
     def _sync(handle: Handle, async_op: bool) -> Handle:
