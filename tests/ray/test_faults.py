@@ -1,11 +1,17 @@
 """Fault tolerance with real Ray actors: a worker killed in the middle of fit (stage 3) costs
 no training, a hung collective or an impossible placement fails fast with a clear error.
 
-Each recovery test kills worker 1 while fit runs, with checkpoints every 2 steps: fit notices,
+Each recovery test kills a worker while fit runs, with checkpoints every 2 steps: fit notices,
 tears the group down, starts a new one, restores the last checkpoint, replays the data, and
 the final parameters equal those of uninterrupted training (plain PyTorch on the same batches,
 which test_trainer_parity shows equals an uninterrupted zeroray run) within 1e-5.
+
+Every fault lands at a point the test controls, never on a timer racing the steps: the
+ray.kill test waits until the actor is dead before fit dispatches the next step, and the
+SIGKILL test kills worker 1 while it is blocked inside loss_fn of a known step, after the
+worker said so, so the machine's load cannot change which step fails.
 """
+import functools
 import os
 import signal
 import threading
@@ -21,7 +27,7 @@ from tests.ray.test_shutdown import assert_released, group_ids, live_placement_g
 from zeroray.runtime.worker_group import CollectiveTimeoutError, PlacementError
 
 STEPS = 8
-KILL_AT = 5        # SIGKILL test: the kill comes as fit fetches batch 5 (five steps done, checkpoint at 4)
+KILL_AT = 5        # SIGKILL test: worker 1 dies inside the step on batch 5 (five steps done, checkpoint at 4)
 EVERY = 2
 SLOW_MARK = VOCAB - 1  # a worker whose whole shard is this token sleeps in loss_fn (a hung rank)
 
@@ -39,6 +45,42 @@ def reference():
     make_opt = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2,
                                            weight_decay=0.1)
     return batches, reference_run(parity_model, lm_loss, make_opt, batches)[2]
+
+
+def gated_loss(gate_dir, model, batch):
+    """slow_rank_loss, except that the process named in ``gate_dir/gate`` blocks here (mid-step) once,
+    after saying so in ``gate_dir/blocked``, until the test kills it."""
+    gate = os.path.join(gate_dir, "gate")
+    if os.path.exists(gate) and open(gate).read().strip() == str(os.getpid()):
+        with open(os.path.join(gate_dir, "blocked.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(os.path.join(gate_dir, "blocked.tmp"), os.path.join(gate_dir, "blocked"))
+        time.sleep(300)  # the test SIGKILLs this process long before
+    return slow_rank_loss(model, batch)
+
+
+def _wait_for(condition, what, timeout_s=120.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _pid_gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"  # a zombie holds nothing and runs nothing
+    except FileNotFoundError:
+        return True
+
+
+def _actor_dead(actor):
+    try:
+        ray.get(actor.node_info.remote(), timeout=30)
+        return False
+    except ray.exceptions.RayActorError:
+        return True
 
 
 class KillingData:
@@ -84,6 +126,12 @@ def _check_recovered(trainer, data, results, ref_state, old_ids, old_pids, resum
     return err
 
 
+def _kill_actor(actor):
+    """ray.kill, then wait until the actor is dead: the step fit dispatches next finds it gone."""
+    ray.kill(actor)
+    _wait_for(lambda: _actor_dead(actor), "the killed actor to be dead")
+
+
 def test_ray_kill_mid_fit_recovers_then_max_failures_raises(ray_local, reference, tmp_path):
     batches, ref_state = reference
     with _trainer(tmp_path) as trainer:
@@ -92,13 +140,13 @@ def test_ray_kill_mid_fit_recovers_then_max_failures_raises(ray_local, reference
         # not from the position the step-2 checkpoint recorded in the first fit's data.
         trainer.fit(batches[:EVERY], progress=False)
         old_ids, old_pids = group_ids(trainer), {w["pid"] for w in trainer.workers}
-        data = KillingData(batches[EVERY:], 1, lambda: ray.kill(trainer._group.actors[1]))
+        data = KillingData(batches[EVERY:], 1, lambda: _kill_actor(trainer._group.actors[1]))
         results = trainer.fit(data, skip=0, progress=False)
         _check_recovered(trainer, data, results, ref_state, old_ids, old_pids, resumed_steps={EVERY})
 
         # With no failures left to spend, the next death ends fit with the original cause.
         trainer.failure = zr.FailureConfig(max_failures=0)
-        more = KillingData(make_batches(3, seed=7), 1, lambda: ray.kill(trainer._group.actors[0]))
+        more = KillingData(make_batches(3, seed=7), 1, lambda: _kill_actor(trainer._group.actors[0]))
         with pytest.raises(RuntimeError, match=r"max_failures=0.*original cause: WorkerDiedError.*died") as info:
             trainer.fit(more, skip=0, progress=False)
         print(f"  after max_failures: {str(info.value)[:300]}")
@@ -107,15 +155,33 @@ def test_ray_kill_mid_fit_recovers_then_max_failures_raises(ray_local, reference
 
 def test_sigkill_mid_fit_recovers_then_hung_collective_raises(ray_local, reference, tmp_path):
     batches, ref_state = reference
-    with _trainer(tmp_path, loss_fn=slow_rank_loss, collective_timeout_s=5.0) as trainer:
+    gate_dir = tmp_path / "gate"
+    gate_dir.mkdir()
+    loss_fn = functools.partial(gated_loss, str(gate_dir))
+    with _trainer(tmp_path / "ckpt", loss_fn=loss_fn, collective_timeout_s=5.0) as trainer:
         old_ids, old_pids = group_ids(trainer), {w["pid"] for w in trainer.workers}
         pid = trainer.workers[1]["pid"]
-        # The OS process dies from another thread a moment after the step started (mid-step).
-        kill = lambda: threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
-        data = KillingData(batches, KILL_AT, kill)
+        landed = {}
+
+        def kill_mid_step():
+            # Armed as fit fetches batch KILL_AT; worker 1 blocks in that step's loss_fn, says so,
+            # and only then is it killed: the kill lands inside that step on any machine.
+            (gate_dir / "gate").write_text(str(pid))
+
+            def killer():
+                _wait_for((gate_dir / "blocked").exists, "worker 1 to block in loss_fn")
+                landed["steps_done"] = trainer.step_count
+                os.kill(pid, signal.SIGKILL)
+                _wait_for(lambda: _pid_gone(pid), "the killed worker's process to exit")
+                (gate_dir / "gate").unlink()
+            threading.Thread(target=killer, daemon=True).start()
+
+        data = KillingData(batches, KILL_AT, kill_mid_step)
         results = trainer.fit(data, progress=False)
-        # Step 4's checkpoint, or step 6's when the kill landed after it (the timer races the steps).
-        _check_recovered(trainer, data, results, ref_state, old_ids, old_pids, resumed_steps={4, 6})
+        # The kill landed inside step KILL_AT + 1 (KILL_AT steps were done), so fit resumed from
+        # the checkpoint of step 4, the last one before it.
+        assert landed == {"steps_done": KILL_AT}, landed
+        _check_recovered(trainer, data, results, ref_state, old_ids, old_pids, resumed_steps={4})
 
         # No hangs: worker 1 never reaches the step's first collective; worker 0 gives up after
         # collective_timeout_s and the driver names worker 1.
