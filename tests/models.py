@@ -123,11 +123,47 @@ def divergent_model() -> nn.Module:
     return DivergentNet()
 
 
-def divergent_batches(steps: int = 2):
-    """Rank 0's share starts with an even token, rank 1's with an odd one (2 workers)."""
+class RoutedNet(nn.Module):
+    """Mixture-of-experts style routing: each worker's batch picks experts from a ModuleList
+    (each expert is a unit of its own under the default wrap policy), by its first token."""
+
+    def __init__(self, experts: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(experts))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        first = int(idx[0, 0])
+        for e, expert in enumerate(self.experts):
+            if (first >> e) & 1:  # the token's bits choose the experts, in order
+                x = x + expert(x)
+        return self.head(x)
+
+
+def routed_model() -> nn.Module:
+    return RoutedNet()
+
+
+def divergent_batches(steps: int = 2, agree_first: int = 0, world: int = 2, batch: int = 4):
+    """Each worker's share starts with its own routing token (rank r: token r + 1, so neighbours
+    take different branches), except the first ``agree_first`` steps, where every share starts with 2."""
     out = []
-    for idx, tgt in make_batches(steps, batch=4):
+    rows = batch // world
+    for step, (idx, tgt) in enumerate(make_batches(steps, batch=batch)):
         idx = idx.clone()
-        idx[0, 0], idx[2, 0] = 2, 3
+        for r in range(world):
+            idx[r * rows, 0] = 2 if step < agree_first else r + 1
         out.append((idx, tgt))
     return out
+
+
+def per_shard_loss(loss_fn, world: int):
+    """The reference loss for data-dependent models: each worker's share routes on its own
+    data, and the global loss is the mean of the shares' losses (what zeroray computes)."""
+    def loss(model, batch):
+        idx, tgt = batch
+        n = idx.shape[0] // world
+        return sum(loss_fn(model, (idx[r * n:(r + 1) * n], tgt[r * n:(r + 1) * n])) for r in range(world)) / world
+    return loss

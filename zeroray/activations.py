@@ -5,9 +5,9 @@ Chosen modules run under ``torch.utils.checkpoint`` (non-reentrant): only their 
 kept, and their forward is recomputed during backward. With ``offload_activations`` those
 kept inputs go to host memory (pinned on GPU) through ``save_on_cpu``. Under stage 3 the
 recomputation runs the submodules' forward hooks again, which gather their parameters; the
-checkpointed module's *own* parameters are gathered by ``before_run`` since its hooks do not
-fire on recomputation. The coordinator never frees on forward hooks during backward, so the
-recomputed graph's saved views stay valid until their gradients are done.
+checkpointed module's *own* units are fetched by ``enter``/``exit`` around the recomputation,
+since its hooks do not fire then. The coordinator never frees on forward hooks during
+backward, so the recomputed graph's saved views stay valid until their gradients are done.
 
 The paper also partitions the checkpoints across *model-parallel* ranks, where they are
 replicated. zeroray is data parallel only: every rank's activations are different, nothing
@@ -84,19 +84,27 @@ class ActivationTracker:
 
 
 def apply_checkpointing(targets: Sequence, offload: bool, tracker: Optional[ActivationTracker],
-                        before_run: Optional[Callable[[torch.nn.Module], None]] = None) -> None:
-    """Wrap each target module's forward in a non-reentrant checkpoint; see [Note: activation checkpointing]."""
+                        enter: Optional[Callable[[torch.nn.Module], bool]] = None,
+                        exit: Optional[Callable[[torch.nn.Module], None]] = None) -> Callable[[], None]:
+    """Wrap each target module's forward in a non-reentrant checkpoint; see [Note: activation checkpointing].
+
+    ``enter(module)`` runs before the wrapped forward (True: call ``exit(module)`` after it).
+    Returns a function that puts the original forwards back."""
+    originals = []
     for _, module in targets:
         original = module.forward
+        originals.append((module, module.__dict__.get("forward")))
 
         @functools.wraps(original)
         def forward(*args, __orig=original, __module=module, **kwargs):
             def run(*a, **k):
-                if before_run is not None:
-                    before_run(__module)
+                entered = enter is not None and enter(__module)
                 if offload:  # bring offloaded inputs back to the compute device
                     a = tuple(x.to(d, non_blocking=True) if d is not None else x for x, d in zip(a, devices))
-                return __orig(*a, **k)
+                out = __orig(*a, **k)
+                if entered:
+                    exit(__module)
+                return out
 
             if tracker is not None:
                 tracker.checkpointed_inputs += sum(
@@ -108,3 +116,11 @@ def apply_checkpointing(targets: Sequence, offload: bool, tracker: Optional[Acti
             return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
         module.forward = forward
+
+    def restore() -> None:
+        for module, own in originals:
+            if own is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = own
+    return restore

@@ -1,10 +1,10 @@
 """The flat layout of the trainable parameters (M_D) and the range arithmetic of shards.
 
 [Note: flat layout]
-Trainable parameters are grouped into *units*: one unit per module that directly owns
-trainable parameters (``module.parameters(recurse=False)``), in ``model.named_modules()``
-order. A parameter shared by several modules (tied weights) belongs to the first module
-that owns it and is stored once; later owners only *use* that unit (``module_units``).
+Trainable parameters are grouped into *units*, the module subtrees a wrap policy chooses
+(see [Note: wrap policy] in wrap.py), in ``model.named_modules()`` order. A parameter shared
+by several modules (tied weights) belongs to the first module that owns it and is stored
+once; a module elsewhere that uses it gathers that unit too (``module_units``).
 
 Each unit is one flat vector of ``numel`` elements (its parameters back to back, in
 registration order), padded with zeros to ``padded = ceil(numel / W) * W`` so that it splits
@@ -27,9 +27,12 @@ This module is pure: it reads names, shapes and dtypes off a module and does ari
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
+if TYPE_CHECKING:
+    from zeroray.wrap import WrapPolicy
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,11 @@ class Unit:
         lo = min(rank * self.shard_numel, self.numel)
         hi = min((rank + 1) * self.shard_numel, self.numel)
         return lo, hi
+
+
+def overlap(a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> Tuple[int, int]:
+    """The intersection ``[lo, hi)`` of two ranges; empty when ``hi <= lo``."""
+    return max(a_lo, b_lo), min(a_hi, b_hi)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -113,29 +121,12 @@ class FlatLayout:
     # --- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_module(cls, model: torch.nn.Module, world_size: int) -> "FlatLayout":
-        """Units from ``model``'s modules; frozen parameters (requires_grad=False) stay out."""
-        seen: Dict[int, str] = {}
-        aliases: Dict[str, List[str]] = {}
-        unit_specs = []
-        module_uses: Dict[str, List[str]] = {}
-        for mname, module in model.named_modules(remove_duplicate=False):
-            own = []
-            for pname, p in module.named_parameters(recurse=False):
-                if not p.requires_grad:
-                    continue
-                full = f"{mname}.{pname}" if mname else pname
-                if id(p) in seen:
-                    canonical = seen[id(p)]
-                    if full != canonical and full not in aliases.setdefault(canonical, []):
-                        aliases[canonical].append(full)
-                    module_uses.setdefault(mname, []).append(canonical)
-                    continue
-                seen[id(p)] = full
-                own.append((full, tuple(p.shape)))
-                module_uses.setdefault(mname, []).append(full)
-            if own:
-                unit_specs.append((mname, own))
+    def from_module(cls, model: torch.nn.Module, world_size: int, wrap: "WrapPolicy" = "module") -> "FlatLayout":
+        """Units from ``model``'s modules by the wrap policy (see [Note: wrap policy] in wrap.py);
+        frozen parameters (requires_grad=False) stay out."""
+        from zeroray.wrap import layout_specs
+
+        unit_specs, aliases, module_uses = layout_specs(model, wrap)
         return cls(unit_specs, world_size, aliases, module_uses)
 
     def with_world_size(self, world_size: int) -> "FlatLayout":
@@ -174,17 +165,22 @@ class FlatLayout:
             lo, hi = u.rank_range(rank)
             yield u, lo, hi, u.shard_offset
 
-    def param_shard_view(self, shard: torch.Tensor, name: str, rank: int) -> Tuple[torch.Tensor, int, int]:
-        """The part of parameter ``name`` held in ``rank``'s local ``shard``, flat, with the
-        range ``[lo, hi)`` of the parameter's flat elements it covers (possibly empty)."""
+    def param_shard_range(self, name: str, rank: int) -> Tuple[int, int, int]:
+        """(start, lo, hi): ``rank`` holds the flat elements ``[lo, hi)`` of parameter ``name``
+        (possibly none: ``hi == lo == 0``) at offset ``start`` of its local shard."""
         slot = self.slots[name]
         unit = self.units[slot.unit]
         u_lo, u_hi = unit.rank_range(rank)
-        lo, hi = max(u_lo, slot.offset), min(u_hi, slot.offset + slot.numel)
+        lo, hi = overlap(u_lo, u_hi, slot.offset, slot.offset + slot.numel)
         if hi <= lo:
-            return shard[:0], 0, 0
-        start = unit.shard_offset + lo - u_lo
-        return shard[start:start + hi - lo], lo - slot.offset, hi - slot.offset
+            return unit.shard_offset, 0, 0
+        return unit.shard_offset + lo - u_lo, lo - slot.offset, hi - slot.offset
+
+    def param_shard_view(self, shard: torch.Tensor, name: str, rank: int) -> Tuple[torch.Tensor, int, int]:
+        """The part of parameter ``name`` held in ``rank``'s local ``shard``, flat, with the
+        range ``[lo, hi)`` of the parameter's flat elements it covers (possibly empty)."""
+        start, lo, hi = self.param_shard_range(name, rank)
+        return shard[start:start + hi - lo], lo, hi
 
     def to_dict(self) -> dict:
         return {"world_size": self.world_size, "units": self.unit_specs(),

@@ -5,7 +5,6 @@ Every invalid value raises ``ValueError`` naming the field and saying what is al
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
@@ -53,6 +52,13 @@ class ZeroConfig:
         module calls is kept gathered instead of refetched (as is one whose next use lies within
         the prefetch window: the prefetcher would fetch it again at once).
     prefetch: stage 3, turn the trace-based prefetch on or off (off: synchronous fetch).
+    wrap: which modules form a unit, the parameters gathered together (stages 1-3): "auto"
+        (each block of an nn.ModuleList/nn.Sequential and each class the model lists in
+        ``_no_split_modules``, plus the root for the rest), "module" (every module that owns
+        parameters), a tuple of nn.Module classes, or a callable (qualified_name, module) -> bool.
+        See zeroray/wrap.py.
+    cast_buffers: with dtype bf16/fp16, cast floating buffers too (default False: buffers keep
+        their dtype, as FSDP2's mixed precision does; BatchNorm statistics, rotary inv_freq).
     """
 
     stage: int = 3
@@ -76,6 +82,8 @@ class ZeroConfig:
     offload_activations: bool = False
     sharded_init: bool = True
     collective_timeout_s: float = 300.0
+    wrap: Any = "auto"
+    cast_buffers: bool = False
 
     def __post_init__(self) -> None:
         c = "ZeroConfig"
@@ -89,7 +97,7 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 _fail(c, name, value, "it must be a positive number of bytes (an int > 0)")
-        for name in ("prefetch", "offload_activations", "sharded_init"):
+        for name in ("prefetch", "offload_activations", "sharded_init", "cast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "it must be True or False")
         if not isinstance(self.reuse_distance, int) or isinstance(self.reuse_distance, bool) or self.reuse_distance < 0:
@@ -112,6 +120,20 @@ class ZeroConfig:
                       "use True (every block), False, or a tuple of nn.Module classes to checkpoint")
             object.__setattr__(self, "activation_checkpointing", types)
         _positive_number(c, "collective_timeout_s", self.collective_timeout_s)
+        wrap = self.wrap
+        if isinstance(wrap, list):
+            wrap = tuple(wrap)
+            object.__setattr__(self, "wrap", wrap)
+        if isinstance(wrap, str):
+            if wrap not in ("auto", "module"):
+                _fail(c, "wrap", wrap, "use 'auto', 'module', a tuple of nn.Module classes, or a callable "
+                                       "(qualified_name, module) -> bool")
+        elif isinstance(wrap, tuple):
+            if not wrap or not all(isinstance(t, type) for t in wrap):
+                _fail(c, "wrap", wrap, "a tuple must hold nn.Module classes (e.g. (MyBlock,))")
+        elif not callable(wrap):
+            _fail(c, "wrap", wrap, "use 'auto', 'module', a tuple of nn.Module classes, or a callable "
+                                   "(qualified_name, module) -> bool")
 
     @property
     def reduce_dtype_name(self) -> str:
@@ -301,7 +323,3 @@ def validate_optimizer(spec: Any) -> None:
             f"optimizer={spec!r} is invalid: pass zr.AdamW(...), zr.Adam(...), zr.SGD(...) or a callable "
             "params -> torch.optim.Optimizer")
 
-
-def replace(obj: Any, **changes: Any) -> Any:
-    """dataclasses.replace, re-validated."""
-    return dataclasses.replace(obj, **changes)

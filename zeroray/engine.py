@@ -1,4 +1,4 @@
-"""The per-rank training engine: one rank's model, shards, reducer, coordinator and optimizer.
+"""The per-rank training engine: one rank's model, units, reducer, coordinator and optimizer.
 
 No Ray here: the engine is plain PyTorch over a ``Group`` and is tested for exact parity in
 torch processes. The Ray worker actor (runtime/worker.py) only wraps it.
@@ -17,34 +17,45 @@ go straight into the coalescing buckets (comm/buckets.py), which all-reduce (sta
 reduce-scatter (stages 1-3) them into the fp32 gradient. Stages 0 and 1 with gradient
 accumulation let autograd accumulate full gradients locally and reduce once, on the last
 micro-batch; stages 2 and 3 reduce-scatter every micro-batch into the fp32 shard, so the
-accumulated gradient only ever exists as the owner's shard.
+accumulated gradient only ever exists as the owner's shard ([Note: stage policy]).
+
+One step: every micro-batch runs ``loss_fn`` and backward with the coordinator fetching
+units (fetch.py) and the buckets reducing gradients; then one status all-reduce carries the
+squared gradient norm and every rank's outcome ([Note: step outcome] in errors.py); then the
+optimizer updates the master, and the update is published to the full parameters.
 """
 from __future__ import annotations
 
 import base64
+import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from zeroray.access import ParameterAccess
 from zeroray.activations import ActivationTracker, apply_checkpointing, checkpoint_targets
 from zeroray.arena import FlatLayout
+from zeroray.batch import (batch_size, batch_structure, describe_structure, split_batch,  # noqa: F401 (re-exported)
+                           structure_changed, to_device)
 from zeroray.comm.buckets import GradBuckets, default_unit_order
 from zeroray.comm.gather import UnitGatherer
 from zeroray.comm.group import Group
+from zeroray.comm.waiter import Waiter
 from zeroray.config import ZeroConfig, validate_optimizer
+from zeroray.errors import CollectiveError, PeerStepError, StepError
 from zeroray.fetch import FetchCoordinator
 from zeroray.optim import LossScaler, ShardedOptimizer, build_segments
-from zeroray.params import UnitBuffers
 from zeroray.sharded_init import build_sharded
+from zeroray.stage import StagePolicy
+from zeroray.unit import Units
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-
-class StepError(RuntimeError):
-    """A user-visible problem in one step (bad loss value, non-finite gradients)."""
+log = logging.getLogger("zeroray")
 
 
 @dataclass
@@ -57,104 +68,58 @@ class StepStats:
     time_s: float
 
 
-def split_batch(batch: Any, parts: int, what: str = "batch") -> List[Any]:
-    """Split a tensor / tuple / list / dict of tensors along dim 0 into ``parts`` equal pieces."""
-    size = batch_size(batch)
-    if size % parts:
-        raise ValueError(f"the {what} has {size} rows, which does not split evenly into {parts} parts: "
-                         f"use a batch size divisible by {parts}")
-    n = size // parts
-    return [_slice(batch, i * n, (i + 1) * n) for i in range(parts)]
-
-
-def batch_size(batch: Any) -> int:
-    leaves = _leaves(batch)
-    if not leaves:
-        raise ValueError("the batch holds no tensors: pass a tensor, or a tuple/list/dict of tensors")
-    sizes = {t.shape[0] if t.dim() else None for t in leaves}
-    if None in sizes or len(sizes) != 1:
-        raise ValueError(f"every tensor of the batch needs the same dim 0 (the batch), got sizes {sorted(map(str, sizes))}")
-    return sizes.pop()
-
-
-def batch_structure(batch: Any) -> Any:
-    """Structure and per-row shapes/dtypes: to detect batches that change shape between steps."""
-    if isinstance(batch, torch.Tensor):
-        return ("T", tuple(batch.shape[1:]), str(batch.dtype))
-    if isinstance(batch, dict):
-        return ("D", tuple((k, batch_structure(v)) for k, v in sorted(batch.items())))
-    if isinstance(batch, (list, tuple)):
-        return ("L", tuple(batch_structure(v) for v in batch))
-    return ("O", type(batch).__name__)
-
-
-def structure_changed(step: int, before: Any, after: Any) -> str:
-    """The message for a batch whose structure differs from the first step's."""
-    return (f"step {step}: the batch structure changed from {describe_structure(before)} to "
-            f"{describe_structure(after)} (N = rows, which may vary); every step must get batches of the same "
-            "structure, row shapes and dtypes: pad or crop them to one shape, or build a new Trainer for the new one")
-
-
-def describe_structure(structure: Any) -> str:
-    """batch_structure() in words, e.g. ``(tensor[N, 5] int64, tensor[N, 5] int64)``."""
-    kind, rest = structure[0], structure[1:]
-    if kind == "T":
-        shape, dtype = rest
-        return f"tensor[{', '.join(['N'] + [str(d) for d in shape])}] {dtype.replace('torch.', '')}"
-    if kind == "D":
-        return "{" + ", ".join(f"{k!r}: {describe_structure(v)}" for k, v in rest[0]) + "}"
-    if kind == "L":
-        return "(" + ", ".join(describe_structure(v) for v in rest[0]) + ")"
-    return str(rest[0])
-
-
-def _leaves(batch: Any) -> List[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, dict):
-        return [t for v in batch.values() for t in _leaves(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _leaves(v)]
-    return []
-
-
-def _slice(batch: Any, lo: int, hi: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[lo:hi]
-    if isinstance(batch, dict):
-        return {k: _slice(v, lo, hi) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_slice(v, lo, hi) for v in batch)
-    return batch
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
-
-
 class Engine:
+    """One rank's training engine over a collective ``group``; see the module docstring.
+
+    Built on every rank with the same arguments: ``model_fn()`` after ``torch.manual_seed(seed)``
+    (or sharded, stage 3), the stage policy of ``zero.stage``, and an optimizer spec applied
+    to this rank's flat fp32 master. ``train_step`` is collective: every rank calls it with its
+    share of the global batch."""
+
     def __init__(self, model_fn: Callable[[], torch.nn.Module], loss_fn: Callable, optimizer: Any,
                  zero: ZeroConfig, group: Group, *, seed: int = 0, device: Any = "cpu",
                  param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]] = None,
                  scheduler: Optional[Callable[[Any], Any]] = None) -> None:
         validate_optimizer(optimizer)
         self.zero, self.group, self.loss_fn, self.optimizer_spec = zero, group, loss_fn, optimizer
+        self.policy = StagePolicy.for_stage(zero.stage)
         self.rank, self.world_size = group.rank, group.world_size
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[zero.dtype]
         self.reduce_dtype = TORCH_DTYPES[zero.reduce_dtype_name]
         self.step_count = 0
         self._structure = None
+        self._hooks: list = []
 
+        model, kept = self._build_model(model_fn, seed)
+        if self.dtype != torch.float32:
+            self._cast_untrained(self.dtype)
+        named = dict(self.model.named_parameters())
+        self._build_storage(named, kept)
+        self.waiter = Waiter(group.blocking_waits)
+        self._build_optimizer(optimizer, named, param_groups, scheduler)
+        self.reducer = GradBuckets(self.layout, group, self.grad, mode=self.policy.reduce.value,
+                                   bucket_bytes=zero.bucket_bytes, dtype=self.reduce_dtype,
+                                   unit_order=default_unit_order(self.layout))
+        self.reducer.wait = self.waiter
+        self.coordinator: Optional[FetchCoordinator] = None
+        self.access: Optional[ParameterAccess] = None
+        if self.policy.keeps_param_shard:
+            self._build_coordinator(named)
+        self._register_grad_hooks(named)
+        self._build_activations()
+        self.scaler = (LossScaler(zero.initial_loss_scale, zero.loss_scale_growth_factor,
+                                  zero.loss_scale_backoff_factor, zero.loss_scale_growth_interval,
+                                  zero.min_loss_scale) if zero.dtype == "fp16" else None)
+
+    # --- construction ----------------------------------------------------------------------
+
+    def _build_model(self, model_fn, seed: int) -> Tuple[torch.nn.Module, Optional[dict]]:
+        wrap, world = self.zero.wrap, self.world_size
         built = None
-        if zero.stage == 3 and zero.sharded_init:
-            built = build_sharded(model_fn, seed, self.world_size, self.rank)
+        if self.policy.reshard_after_use and self.zero.sharded_init:
+            built = build_sharded(model_fn, seed, world, self.rank,
+                                  layout_fn=lambda m: FlatLayout.from_module(m, world, wrap))
         if built is not None:
             model, self.layout, kept = built
         else:
@@ -164,44 +129,28 @@ class Engine:
             raise ValueError(f"model_fn returned {type(model).__name__}, not a torch.nn.Module")
         self.model = model.to(self.device)
         if built is None:
-            self.layout = FlatLayout.from_module(self.model, self.world_size)
+            self.layout = FlatLayout.from_module(self.model, world, wrap)
         if not self.layout.units:
             raise ValueError("the model has no trainable parameters (all have requires_grad=False): "
                              "there is nothing to train")
-        if self.dtype != torch.float32:
-            self._cast_untrained(self.dtype)
-        named = dict(self.model.named_parameters())
-        self._build_storage(named, kept)
-        self._build_optimizer(optimizer, named, param_groups, scheduler)
-        self._build_reducer()
-        self.coordinator: Optional[FetchCoordinator] = None
-        if zero.stage == 3:
-            self._build_coordinator()
-        self._register_grad_hooks(named)
-        self._pending_publish: Dict[int, Any] = {}  # unit -> gather handle still in flight
-        self._publish_hooks = self._register_publish_hooks() if zero.stage in (1, 2) else []
-        self._build_activations()
-        self.scaler = (LossScaler(zero.initial_loss_scale, zero.loss_scale_growth_factor,
-                                  zero.loss_scale_backoff_factor, zero.loss_scale_growth_interval,
-                                  zero.min_loss_scale) if zero.dtype == "fp16" else None)
-
-    # --- construction ----------------------------------------------------------------------
+        return self.model, kept
 
     def _cast_untrained(self, dtype: torch.dtype) -> None:
-        """Frozen parameters and floating buffers compute in the low precision too."""
+        """Frozen parameters compute in the low precision too; buffers keep their dtype (a
+        BatchNorm's running statistics, a rotary ``inv_freq``) unless ``cast_buffers``."""
         with torch.no_grad():
             for p in self.model.parameters():
                 if not p.requires_grad and p.is_floating_point():
                     p.data = p.data.to(dtype)
-            for mod in self.model.modules():
-                for k, b in mod._buffers.items():
-                    if b is not None and b.is_floating_point():
-                        mod._buffers[k] = b.to(dtype)
+            if self.zero.cast_buffers:
+                for mod in self.model.modules():
+                    for k, b in mod._buffers.items():
+                        if b is not None and b.is_floating_point():
+                            mod._buffers[k] = b.to(dtype)
 
     def _build_storage(self, named: Dict[str, torch.nn.Parameter],
                        kept: Optional[Dict[str, Tuple[int, int, torch.Tensor]]] = None) -> None:
-        layout, stage = self.layout, self.zero.stage
-        fp32 = self.dtype == torch.float32
+        layout, fp32 = self.layout, self.dtype == torch.float32
         # The fp32 initial values of the rank's shard, taken before the parameters are rebound.
         init_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)  # 1D
         for name in layout.param_names:
@@ -210,15 +159,15 @@ class Engine:
                 # pop: each kept slice is freed once copied, so construction never holds two shards
                 values = kept.pop(name)[2] if kept is not None else named[name].detach().reshape(-1)[lo:hi]
                 piece.copy_(values.float())
-        self.buffers = UnitBuffers(layout, self.dtype, self.device, persistent=stage < 3)
-        self.buffers.bind(named, copy_values=kept is None)
-        if stage == 0:
+        self.units = Units(layout, self.dtype, self.device, persistent=not self.policy.reshard_after_use)
+        self.units.bind(named, copy_values=kept is None)
+        if not self.policy.keeps_param_shard:
             self.param_shard = None
-            self.master = self.buffers.arena if fp32 else self.buffers.arena.float()  # 1D full
+            self.master = self.units.arena if fp32 else self.units.arena.float()  # 1D full
             self.grad = torch.zeros(layout.full_numel, dtype=torch.float32, device=self.device)  # 1D full
         else:
-            self.master = init_shard                                                     # 1D shard fp32
-            self.param_shard = self.master if fp32 else init_shard.to(self.dtype)         # 1D shard
+            self.master = init_shard                                                          # 1D shard fp32
+            self.param_shard = self.master if fp32 else init_shard.to(self.dtype)              # 1D shard
             self.grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)  # 1D shard
         self.gatherer = UnitGatherer(layout, self.group, self.param_shard, self.zero.bucket_bytes) \
             if self.param_shard is not None else None
@@ -233,130 +182,131 @@ class Engine:
                                  "overrides (lr, weight_decay, ...) for that parameter")
             slot = self.layout.slots[name]
             unit = self.layout.units[slot.unit]
-            if self.zero.stage == 0:
+            if not self.policy.keeps_param_shard:
                 start = unit.full_offset + slot.offset
                 spans.append((start, start + slot.numel, overrides))
             else:
-                u_lo, u_hi = unit.rank_range(self.rank)
-                lo, hi = max(u_lo, slot.offset), min(u_hi, slot.offset + slot.numel)
+                start, lo, hi = self.layout.param_shard_range(name, self.rank)
                 if hi > lo:
-                    start = unit.shard_offset + lo - u_lo
                     spans.append((start, start + hi - lo, overrides))
         return spans
 
     def _build_optimizer(self, spec, named, param_groups, scheduler) -> None:
         segments = build_segments(self._local_spans(named, param_groups), self.master.numel())
-        self.optimizer = ShardedOptimizer(spec, self.master, self.grad, segments,
-                                          self.group if self.zero.stage > 0 else None,
-                                          self.zero.max_grad_norm, scheduler)
+        self.optimizer = ShardedOptimizer(spec, self.master, self.grad, segments, self.zero.max_grad_norm, scheduler)
 
-    def _build_reducer(self, unit_order=None) -> None:
-        order = default_unit_order(self.layout, unit_order)
-        self.reducer = GradBuckets(
-            self.layout, self.group, self.grad,
-            mode="all_reduce" if self.zero.stage == 0 else "reduce_scatter",
-            bucket_bytes=self.zero.bucket_bytes, dtype=self.reduce_dtype, unit_order=order)
-
-    def _modules_with_units(self) -> Tuple[List[torch.nn.Module], List[str], List[Tuple[int, ...]]]:
-        """Each module object that uses units (once, under its first name) and those units."""
-        modules, names, units = [], [], []
+    def _hooked_modules(self) -> Tuple[List[torch.nn.Module], List[str], List[Tuple[int, ...]]]:
+        """Each module object whose forward needs units (once, under its first name) and those units."""
+        modules, names, needs = [], [], []
         by_name = dict(self.model.named_modules(remove_duplicate=False))
         index_of: Dict[int, int] = {}
         for mname, unit_ids in self.layout.module_units.items():
             module = by_name[mname]
             if id(module) in index_of:  # one module object registered under two names
                 i = index_of[id(module)]
-                units[i] = tuple(sorted(set(units[i]) | set(unit_ids)))
+                needs[i] = tuple(sorted(set(needs[i]) | set(unit_ids)))
                 continue
             index_of[id(module)] = len(modules)
             modules.append(module)
             names.append(mname)
-            units.append(tuple(unit_ids))
-        return modules, names, units
+            needs.append(tuple(unit_ids))
+        return modules, names, needs
 
-    def _build_coordinator(self) -> None:
-        modules, names, units = self._modules_with_units()
+    def _build_coordinator(self, named: Dict[str, torch.nn.Parameter]) -> None:
+        modules, names, needs = self._hooked_modules()
         z = self.zero
         self.coordinator = FetchCoordinator(
-            self.buffers, self.gatherer, self.group, modules, names, units, prefetch=z.prefetch,
-            prefetch_bytes=z.prefetch_bytes, max_live_bytes=z.max_live_bytes, reuse_distance=z.reuse_distance)
+            self.units, self.gatherer, self.group, self.waiter, modules, names, needs,
+            reshard=self.policy.reshard_after_use, prefetch=z.prefetch, prefetch_bytes=z.prefetch_bytes,
+            max_live_bytes=z.max_live_bytes, reuse_distance=z.reuse_distance)
+        self.coordinator.on_negotiate = self._reduce_for_negotiation
+        self.gatherer.wait = self.waiter
+        trainable = {n: named[n] for n in self.layout.param_names}
+        self.access = ParameterAccess(trainable, {n: self.layout.slots[n].unit for n in trainable},
+                                      self.coordinator.on_access)
+        self.access.install()
+
+    def _reduce_for_negotiation(self) -> None:
+        """Without independent channels a negotiated micro-batch reduces after its rounds (comm/buckets.py)."""
+        self.reducer.hold = not self.group.independent_channels
+
+    def _register_grad_hooks(self, named) -> None:
+        engine = weakref.ref(self)  # autograd holds the hooks from C++: no strong cycle through them
+        for name in self.layout.param_names:
+            unit = self.layout.slots[name].unit
+
+            def hook(p: torch.Tensor, name=name, unit=unit) -> None:
+                owner = engine()
+                if owner is not None:
+                    owner._grad_ready(name, unit, p)
+            self._hooks.append(named[name].register_post_accumulate_grad_hook(hook))
+
+    def _grad_ready(self, name: str, unit: int, p: torch.Tensor) -> None:
+        if not self.reducer.accepting:
+            return  # stages 0-1 accumulating: autograd keeps the full gradient until the last micro-batch
+        self.reducer.add_grad(name, p.grad)
+        p.grad = None
+        flat = self.units[unit]
+        flat.grads_pending -= 1
+        if flat.grads_pending == 0 and self.coordinator is not None:
+            self.coordinator.on_grads_done(unit)
 
     def _build_activations(self) -> None:
-        if self.coordinator is not None:
-            coordinator = self.coordinator
-            is_param = lambda ptr: ptr in coordinator._ptr_to_unit
-            before_run = lambda m: coordinator.backward and coordinator.ensure_module(m)
+        coordinator = self.coordinator if self.policy.reshard_after_use else None
+        if coordinator is not None:
+            units = self.units
+            is_param = lambda ptr: units.unit_at(ptr) is not None  # noqa: E731
         else:
-            arena_ptr = self.buffers.arena.untyped_storage().data_ptr()
-            is_param = lambda ptr: ptr == arena_ptr
-            before_run = None
-        self.activations = ActivationTracker(is_param, inner=self.coordinator)
+            arena_ptr = self.units.arena.untyped_storage().data_ptr()
+            is_param = lambda ptr: ptr == arena_ptr  # noqa: E731
+        self.activations = ActivationTracker(is_param, inner=coordinator)
         targets = checkpoint_targets(self.model, self.zero.activation_checkpointing)
-        apply_checkpointing(targets, self.zero.offload_activations, self.activations, before_run)
+        self._restore_forwards = apply_checkpointing(
+            targets, self.zero.offload_activations, self.activations,
+            enter=coordinator.enter_module if coordinator else None,
+            exit=coordinator.exit_module if coordinator else None)
 
     @property
     def activation_peak_bytes(self) -> int:
         return self.activations.peak
 
-    def _register_grad_hooks(self, named) -> None:
-        self._reduce_now = True
-        self._unit_pending: List[int] = []
-        self._unit_params = [len(u.params) for u in self.layout.units]
-        for name in self.layout.param_names:
-            named[name].register_post_accumulate_grad_hook(self._make_grad_hook(name))
-
-    def _make_grad_hook(self, name: str):
-        unit = self.layout.slots[name].unit
-
-        def hook(p: torch.Tensor) -> None:
-            if not self._reduce_now:
-                return
-            self.reducer.add_grad(name, p.grad)
-            p.grad = None
-            if self.coordinator is not None:
-                self._unit_pending[unit] -= 1
-                if self._unit_pending[unit] == 0:
-                    self.coordinator.on_grads_done(unit)
-        return hook
-
     # --- one step --------------------------------------------------------------------------
 
     def train_step(self, batch: Any) -> StepStats:
+        """One optimizer step on this rank's share of the global batch (collective)."""
         t0 = time.perf_counter()
-        structure = batch_structure(batch)
-        if self._structure is not None and structure != self._structure:
-            raise ValueError(structure_changed(self.step_count, self._structure, structure))
-        self._structure = structure
         k = self.zero.grad_accum_steps
-        micro = split_batch(to_device(batch, self.device), k, "worker's share of the batch (grad_accum_steps)")
         self.group.counter.reset()
         self.grad.zero_()
         if self.coordinator is not None:
             self.coordinator.begin_step()
         scale = self.scaler.scale if self.scaler else 1.0
-        losses = []
-        for i, mb in enumerate(micro):
-            last = i == k - 1
-            self._reduce_now = self.zero.stage >= 2 or last
-            self._unit_pending = list(self._unit_params)
-            self.activations.begin()
-            with self.activations.hooks():
-                loss = self.loss_fn(self.model, mb)
-            self.flush_params()  # units no module ran this forward
-            self.activations.end_forward()
-            self._check_loss(loss)
-            losses.append(float(loss.detach().float()))
-            if self.coordinator is not None:
-                self.coordinator.begin_backward()
-            (loss.float() * scale if self.scaler else loss).backward()
-            if self._reduce_now:
-                self.reducer.finish()
-            if self.coordinator is not None:
-                self.coordinator.end_micro_batch(last)
-        # Gradients were summed over ranks and micro-batches: average, and undo the loss scale.
-        self.grad.mul_(1.0 / (self.world_size * k * scale))
-        norm = self.optimizer.grad_norm()
-        loss_value = sum(losses) / k
+        losses: List[torch.Tensor] = []
+        failure: Optional[BaseException] = None
+        done = 0
+        try:
+            micro = self._micro_batches(batch, k)
+            for i, mb in enumerate(micro):
+                self._micro_batch(i, mb, i == k - 1, scale, losses)
+                done = i + 1
+        except CollectiveError:
+            raise  # the group is broken: the runtime rebuilds it
+        except Exception as error:  # noqa: BLE001 - the step fails on every rank; see [Note: step outcome]
+            failure = error
+            self._abort(done, k)
+        sumsq = None
+        if failure is None:
+            # Gradients were summed over ranks and micro-batches: average, and undo the loss scale.
+            self.grad.mul_(1.0 / (self.world_size * k * scale))
+            sumsq = self.optimizer.local_sumsq()
+        failed, norm = self._status(sumsq)
+        if failed:
+            self._drop_grads()
+            if failure is not None:
+                raise failure
+            raise PeerStepError(f"step {self.step_count}: not applied, because worker(s) {failed} raised an error "
+                                "during it (their own error says why)", failed)
+        loss_value = float(torch.stack([x.float() for x in losses]).sum()) / k
         skipped = False
         if not math.isfinite(norm):
             if self.scaler is None and not math.isfinite(loss_value):
@@ -375,10 +325,86 @@ class Engine:
             self.optimizer.skip()
         else:
             self.optimizer.step(norm)
-            self._publish_params(defer=True)
+            self._publish()
         self.step_count += 1
         return StepStats(loss_value, norm, self.step_count, skipped,
                          self.scaler.scale if self.scaler else None, time.perf_counter() - t0)
+
+    def _micro_batches(self, batch: Any, k: int) -> List[Any]:
+        structure = batch_structure(batch)
+        if self._structure is not None and structure != self._structure:
+            raise ValueError(structure_changed(self.step_count, self._structure, structure))
+        self._structure = structure
+        return split_batch(to_device(batch, self.device), k, "worker's share of the batch (grad_accum_steps)")
+
+    def _micro_batch(self, index: int, mb: Any, last: bool, scale: float, losses: List[torch.Tensor]) -> None:
+        reduce_now = self.policy.reduce_every_micro_batch or last
+        self.reducer.begin_backward(accepting=reduce_now)
+        for unit in self.units:
+            unit.grads_pending = len(unit.spec.params)
+        if self.coordinator is not None:
+            self.coordinator.begin_micro_batch(index)
+        self.activations.begin()
+        with self.activations.hooks():
+            loss = self.loss_fn(self.model, mb)
+        self.activations.end_forward()
+        self._check_loss(loss)
+        losses.append(loss.detach())
+        if self.coordinator is not None:
+            self.coordinator.begin_backward()
+        (loss.float() * scale if self.scaler else loss).backward()
+        if self.coordinator is not None:
+            self.coordinator.finish_backward()
+        if reduce_now:
+            self.reducer.finish()
+        if self.coordinator is not None:
+            self.coordinator.end_micro_batch()
+
+    def _abort(self, current: int, k: int) -> None:
+        """This rank's code raised in micro-batch ``current``: take part in every collective its
+        peers still expect of the step, computing nothing ([Note: step outcome] in errors.py)."""
+        coordinator = self.coordinator
+        for i in range(current, k):
+            if coordinator is not None:
+                if len(coordinator.records) <= i:
+                    coordinator.begin_micro_batch(i)
+                coordinator.abort_micro_batch()
+            if self.policy.reduce_every_micro_batch or i == k - 1:
+                if i > current:
+                    self.reducer.begin_backward(accepting=True)
+                self.reducer.finish()  # what this rank did not produce counts as zero
+            if coordinator is not None:
+                coordinator.end_micro_batch()
+
+    def _status(self, sumsq: Optional[torch.Tensor]) -> Tuple[List[int], float]:
+        """The step's status all-reduce: (ranks whose step failed, global gradient norm).
+
+        One float64 vector: [sum of squared gradient norms, then per rank: failed, left the
+        plan, events recorded, their digest]; each rank fills its own slots. ``sumsq`` is None
+        when this rank's step failed."""
+        W = self.world_size
+        status = torch.zeros(1 + 4 * W, dtype=torch.float64, device=self.device)
+        # Stage 0 ranks all hold the same full reduced gradient: count its norm once.
+        if sumsq is not None and (self.policy.keeps_param_shard or self.rank == 0):
+            status[0] = sumsq.double()
+        exited, length, dig = self.coordinator.status() if self.coordinator is not None else (0.0, 0.0, 0.0)
+        mine = [0.0 if sumsq is not None else 1.0, exited, length, dig]
+        status[1 + 4 * self.rank:5 + 4 * self.rank] = torch.tensor(mine, dtype=torch.float64)
+        if W > 1:
+            self.waiter.until_complete(self.group.all_reduce(status, async_op=True, control=True))
+        values = status.tolist()
+        per_rank = [values[1 + 4 * r:5 + 4 * r] for r in range(W)]
+        failed = [r for r in range(W) if per_rank[r][0]]
+        if self.coordinator is not None:
+            self.coordinator.end_step(failed=bool(failed), any_exit=any(p[1] for p in per_rank),
+                                      agreed=len({(p[2], p[3]) for p in per_rank}) == 1)
+        total = values[0]
+        return failed, (math.sqrt(total) if math.isfinite(total) else float("inf"))
+
+    def _drop_grads(self) -> None:
+        self.grad.zero_()
+        for p in self.model.parameters():
+            p.grad = None
 
     def _check_loss(self, loss: Any) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -388,67 +414,42 @@ class Engine:
         if not loss.requires_grad:
             raise StepError(f"step {self.step_count}: the loss does not require grad: loss_fn must compute it "
                             "from the model's output (did it run under torch.no_grad()?)")
-        # A non-finite loss is not raised here: other ranks may already be in backward, waiting
-        # in a collective. Its gradients turn non-finite, every rank sees the non-finite global
-        # norm, and all raise together (fp32/bf16) or skip the step together (fp16).
+        # A non-finite loss is not raised here: its gradients turn non-finite, every rank sees
+        # the non-finite global norm, and all raise together (fp32/bf16) or skip the step (fp16).
 
-    def _publish_params(self, defer: bool = False) -> None:
-        """Make the updated master visible to compute: cast, and gather for stages 1-2.
-
-        [Note: deferred publish]
-        With ``defer`` the stage 1-2 all-gathers of the updated parameters are only launched
-        here; the next forward waits for each unit's gather in the pre-hook of the first
-        module that uses it, so the gathers run while the driver sends the next batch and
-        while the earlier modules compute (the paper's overlap, as stage 3's prefetch does).
-        Only forward reads the full parameters; ``flush_params`` finishes whatever forward
-        did not wait for, and every other path that reads or rewrites them calls it first.
-        """
-        stage, fp32 = self.zero.stage, self.dtype == torch.float32
-        self.flush_params()
+    def _publish(self) -> None:
+        """Make the updated master visible to compute: cast, and start the stage 1-2 gathers
+        ([Note: deferred publish] in fetch.py)."""
+        fp32 = self.dtype == torch.float32
+        self.flush()
         with torch.no_grad():
-            if stage == 0:
+            if not self.policy.keeps_param_shard:
                 if not fp32:
-                    self.buffers.arena.copy_(self.master)
+                    self.units.arena.copy_(self.master)
                 return
             if not fp32:
                 self.param_shard.copy_(self.master)
-            if stage in (1, 2):
-                units = [u.index for u in self.layout.units]
-                for g in self.gatherer.coalesce(units):
-                    handle = self.gatherer.gather(g, [self.buffers.full[u] for u in g], async_op=True)
-                    for u in g:
-                        self._pending_publish[u] = handle
-                if not defer:
-                    self.flush_params()
+            if not self.policy.reshard_after_use:
+                self.coordinator.publish()
 
-    def flush_params(self) -> None:
+    def flush(self) -> None:
         """Wait for every parameter gather still in flight (stages 1-2, [Note: deferred publish])."""
-        while self._pending_publish:
-            _, handle = self._pending_publish.popitem()
+        if self.coordinator is not None:
             with torch.no_grad():
-                handle.wait()
+                self.coordinator.flush()
 
-    def _register_publish_hooks(self) -> list:
-        modules, _, module_units = self._modules_with_units()
-        pending = self._pending_publish
-
-        def make_hook(units):
-            def hook(module, args):
-                if pending:
-                    for u in units:
-                        handle = pending.pop(u, None)
-                        if handle is not None:
-                            with torch.no_grad():
-                                handle.wait()
-            return hook
-        return [m.register_forward_pre_hook(make_hook(units)) for m, units in zip(modules, module_units)]
+    def fetch_stats(self) -> Dict[str, Any]:
+        """Stage 3's fetch counters of the last step (empty at stages 0-2)."""
+        if self.coordinator is None or not self.policy.reshard_after_use:
+            return {}
+        return dict(self.coordinator.stats)
 
     # --- inspection and state --------------------------------------------------------------
 
     def master_piece(self, name: str) -> Tuple[int, int, torch.Tensor]:
         """(lo, hi, fp32 values) of parameter ``name``'s flat elements held by this rank."""
         slot = self.layout.slots[name]
-        if self.zero.stage == 0:
+        if not self.policy.keeps_param_shard:
             if self.rank != 0:
                 return 0, 0, torch.empty(0)
             start = self.layout.units[slot.unit].full_offset + slot.offset
@@ -458,7 +459,7 @@ class Engine:
 
     def master_shard(self) -> torch.Tensor:
         """This rank's fp32 master in the layout's shard coordinates (all stages alike)."""
-        if self.zero.stage > 0:
+        if self.policy.keeps_param_shard:
             return self.master.detach().cpu().clone()
         return self._full_to_shard(self.master.detach())
 
@@ -473,7 +474,7 @@ class Engine:
     def export_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         """Flat fp32 tensors in this rank's shard coordinates, and per-rank scalars."""
         tensors, scalars = self.optimizer.export_state()
-        if self.zero.stage == 0:
+        if not self.policy.keeps_param_shard:
             tensors = {k: self._full_to_shard(v) for k, v in tensors.items()}
         tensors["master"] = self.master_shard()
         scalars["step"] = self.step_count
@@ -483,13 +484,13 @@ class Engine:
 
     def state_layout(self) -> Tuple[FlatLayout, int]:
         """The (layout, rank) whose shard coordinates import_state expects: stage 0 wants everything."""
-        if self.zero.stage == 0:
+        if not self.policy.keeps_param_shard:
             return self.layout.with_world_size(1), 0
         return self.layout, self.rank
 
     def import_state(self, tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any]) -> None:
         """Load tensors given in ``state_layout()`` coordinates (collective for stages 1-2)."""
-        if self.zero.stage == 0:
+        if not self.policy.keeps_param_shard:
             single = self.layout.with_world_size(1)
             full = {}
             for key, flat in tensors.items():
@@ -498,6 +499,7 @@ class Engine:
                     out[unit.full_offset:unit.full_offset + unit.numel] = flat[one.shard_offset:one.shard_offset + one.numel]
                 full[key] = out
             tensors = full
+        self.flush()
         with torch.no_grad():
             self.master.copy_(tensors["master"].to(self.master.device))
         self.optimizer.import_state({k: v for k, v in tensors.items() if k != "master"}, scalars)
@@ -507,16 +509,25 @@ class Engine:
         if scalars.get("rng"):
             state = torch.frombuffer(bytearray(base64.b64decode(scalars["rng"])), dtype=torch.uint8)
             torch.set_rng_state(state.clone())
-        self._publish_params()
+        self._publish()
+        self.flush()
 
     def untrained_state(self) -> Dict[str, torch.Tensor]:
         """Frozen parameters and buffers (replicated), under their state_dict names."""
         trained = set(self.layout.slots)
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if k not in trained}
+        # keep_vars: the trainable parameters are not touched (at stage 3 they hold no values here)
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict(keep_vars=True).items()
+                if k not in trained}
 
     def close(self) -> None:
-        self.flush_params()
-        for h in self._publish_hooks:
-            h.remove()
+        """Release everything the engine attached to the model, so that it and its memory can go."""
+        self.flush()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
         if self.coordinator is not None:
             self.coordinator.remove()
+        if self.access is not None:
+            self.access.remove()
+        self._restore_forwards()
+        self.activations.inner = None

@@ -40,3 +40,8 @@ class PeerStepError(RuntimeError):
 
 class CollectiveError(RuntimeError):
     """A collective failed (a peer died, a connection broke, a timeout): the group cannot continue."""
+
+
+class UnrecoverableDivergence(TraceMismatchError, CollectiveError):
+    """Stage 3 over a backend that cannot negotiate mid-step (NCCL): the workers ran different
+    modules and their collectives no longer match, so the group must be rebuilt."""

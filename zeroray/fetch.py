@@ -1,272 +1,478 @@
-"""The ZeRO-3 coordinator: fetch parameters just before use, prefetch along a recorded trace.
+"""The fetch coordinator: when each unit is gathered, waited for and freed, for every stage.
 
-[Note: fetch trace]
-A step is a sequence of *events*: a module about to run forward (it needs its units), and,
-in backward, a unit whose saved parameter views autograd is about to read. During the
-first step the coordinator records that sequence; at the end of the step every rank
-checks it recorded the same sequence (a mismatch is an error naming the first differing
-module: the ranks would otherwise issue different collectives). From then on, when event
-``i`` happens the coordinator starts the all-gathers of the units of events ``i+1, ...``
-without waiting, up to ``prefetch_bytes`` ahead and ``max_live_bytes`` gathered in all.
-After a module ran, a unit needed again within ``reuse_distance`` events stays gathered,
-and so does one whose next use lies inside the prefetch window (``prefetch_bytes`` of
-upcoming events' parameters): the prefetcher would gather it again right away, so freeing
-it would only repeat the all-gather. This is what keeps the last modules of forward
-gathered into backward (FSDP keeps its root for the same reason), and a model that fits in
-the window is gathered once per step instead of twice; the gathered bytes stay bounded by
-the window, as they were already while prefetching.
-In backward a unit is freed once all of its parameters' gradients have been handed to the
-reducer. If a step departs from the trace (a data-dependent branch), prefetching stops for
-the rest of that step, every fetch is on demand (still correct), the new order is recorded,
-verified and used from the next step on; this is logged once.
+It decides *when*; the units (unit.py) own the buffers, the gatherer (comm/gather.py) moves
+the bytes, the trace and schedule (trace.py) are pure. Events reach it from module hooks
+(a unit root about to run, or done), from parameter reads ([Note: parameter access] in
+access.py) and from autograd unpacking a saved view of a unit in backward.
 
-Backward needs no module hooks: saved-tensor hooks tag the tensors autograd saves that live
-in a unit's full buffer, and unpacking one fetches that unit (see [Note: storage resize]).
+Persistent units (stages 1-2): the all-gathers that publish the optimizer's update are all
+started at the end of a step; the first module (or read) that needs a unit waits for its
+gather ([Note: deferred publish]). Nothing is freed.
 
-Every decision depends only on the trace and the unit states, never on timing, so every
-rank issues the same collectives in the same order ([Note: collective order]).
+Stage 3 follows the schedule of a verified trace ([Note: fetch trace] in trace.py), or, in a
+step without one, negotiates every fetch ([Note: negotiated fetch] in negotiate.py).
+
+[Note: deferred publish]
+After the optimizer step the stage 1-2 all-gathers of the updated parameters are only
+launched; each unit's gather is waited for where it is first needed in the next forward, so
+the gathers run while the driver sends the next batch and while the earlier modules
+compute (the paper's overlap, as stage 3's prefetch does). ``flush`` finishes whatever is
+still in flight; every path that reads or rewrites the full parameters calls it first.
+
+[Note: plan exit]
+A rank whose events leave the trace (a branch the others may not take, an error in its
+``loss_fn``) cannot fetch off the plan: its peers are issuing the plan's gathers. So it
+*leaves the plan*: it publishes ``exit/<call>/<micro-batch>`` through the group's store,
+issues every gather of the micro-batch's plan it has not issued yet (taking part, keeping
+nothing: its peers need its shards), and negotiates from then on. Every other rank learns
+of the exit the next time it waits for something the leaver owes it (the waiter polls,
+comm/waiter.py), leaves the plan the same way, and answers rounds until all are done.
+Because every rank issues the whole plan exactly once, and rounds have a channel of their
+own, the collectives still match; the step trains exactly, and its status all-reduce tells
+every rank whether the ranks agreed (the new trace is adopted) or diverged (the old one is
+kept, and such steps negotiate again). Without independent channels (NCCL) a rank cannot
+leave the plan safely: it publishes the exit and raises ``TraceMismatchError``; the others
+see the exit before their step's result is read and raise too.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from zeroray.comm.gather import GatherHandle, UnitGatherer
-from zeroray.comm.group import Group
-from zeroray.params import UnitBuffers, UnitState
+from zeroray.comm.group import Channel, Group
+from zeroray.comm.waiter import Waiter
+from zeroray.errors import ParameterAccessError, UnrecoverableDivergence
+from zeroray.negotiate import Negotiator
+from zeroray.trace import Event, EventKind, Schedule, digest
+from zeroray.unit import Units, UnitState
 
 log = logging.getLogger("zeroray")
 
-Event = Tuple[str, int]  # ("F", module index) or ("B", unit index)
+
+class Mode(enum.Enum):
+    IDLE = "idle"            # between steps
+    PERSISTENT = "persist"   # stages 1-2: wait for published gathers, never free
+    FOLLOW = "follow"        # stage 3 on a verified trace's schedule
+    NEGOTIATE = "negotiate"  # stage 3 without one (rounds)
 
 
-class TraceMismatchError(RuntimeError):
-    pass
+@dataclass
+class MicroBatchRecord:
+    events: List[Event] = field(default_factory=list)
+    exited: bool = False       # this rank left the plan (or negotiated throughout)
+    finished: bool = False     # its done-rounds completed
 
 
 class FetchCoordinator:
-    def __init__(self, buffers: UnitBuffers, gatherer: UnitGatherer, group: Group,
+    """Hooks, events and the fetch protocol of one engine; see the module docstring.
+
+    ``modules``/``module_names``/``module_needs``: the hooked modules and the units their
+    forward needs. ``reshard`` is the stage policy's ``reshard_after_use`` (stage 3)."""
+
+    def __init__(self, units: Units, gatherer: UnitGatherer, group: Group, waiter: Waiter,
                  modules: Sequence[torch.nn.Module], module_names: Sequence[str],
-                 module_units: Sequence[Tuple[int, ...]], *, prefetch: bool, prefetch_bytes: int,
-                 max_live_bytes: int, reuse_distance: int) -> None:
-        self.buffers, self.gatherer, self.group = buffers, gatherer, group
-        self.modules, self.module_names, self.module_units = list(modules), list(module_names), list(module_units)
-        self.prefetch_enabled, self.prefetch_bytes = prefetch, prefetch_bytes
+                 module_needs: Sequence[Tuple[int, ...]], *, reshard: bool, prefetch: bool,
+                 prefetch_bytes: int, max_live_bytes: int, reuse_distance: int) -> None:
+        self.units, self.gatherer, self.group, self.wait = units, gatherer, group, waiter
+        self.modules, self.module_names = list(modules), list(module_names)
+        self.module_needs = [tuple(n) for n in module_needs]
+        self.reshard = reshard
+        self.prefetch, self.prefetch_bytes = prefetch, prefetch_bytes
         self.max_live_bytes, self.reuse_distance = max_live_bytes, reuse_distance
-        self.layout = buffers.layout
+        self.layout = units.layout
         self._index_of = {id(m): i for i, m in enumerate(self.modules)}
-        self.trace: Optional[List[Event]] = None
-        self._handles: Dict[int, GatherHandle] = {}
-        self._active = [0] * len(self.layout.units)   # modules currently running that use a unit
-        self._ptr_to_unit: Dict[int, int] = {}
-        self._hooks = []
-        self._logged_deviation = False
-        self.backward = False
-        self._reset_step_stats()
-        for u in range(len(self.layout.units)):
-            self.buffers.free(u)
+        self.negotiator = Negotiator(group, gatherer, units, waiter)
+        self.schedule: Optional[Schedule] = None
+        self.mode = Mode.IDLE
+        self.call = 0                 # train_step calls so far: names this step's signals
+        self.micro_batch = 0
+        self.in_backward = False
+        self.compute_done = False     # this micro-batch's forward and backward are over
+        self.records: List[MicroBatchRecord] = []
+        self._stack: List[Tuple[int, List[int]]] = []  # running modules: (module, units held)
+        self._held: Dict[int, int] = {}
+        self._pos = 0                 # schedule position (FOLLOW)
+        self._issued = 0              # schedule groups issued (FOLLOW)
+        self._dry: List[GatherHandle] = []
+        self.on_negotiate: Callable[[], None] = lambda: None  # the engine adapts its reductions
+        self._hooks: list = []
+        self._logged: set = set()
+        self.stats: dict = {}
+        self._reset_stats()
         for index, module in enumerate(self.modules):
             self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(index)))
             self._hooks.append(module.register_forward_hook(self._make_post_hook(index)))
+        waiter.poll = self.poll
 
-    # --- per step --------------------------------------------------------------------------
+    # --- step lifecycle (called by the engine) --------------------------------------------
 
-    def _reset_step_stats(self) -> None:
+    def _reset_stats(self) -> None:
         self.stats = {"fetches": 0, "prefetch_hits": 0, "on_demand": 0, "peak_gathered_bytes": 0,
-                      "fetch_wait_s": 0.0}
+                      "fetch_wait_s": 0.0, "rounds": 0, "plan_exits": 0}
 
     def begin_step(self) -> None:
-        self._reset_step_stats()
-        self._begin_pass()
+        self.call += 1
+        self.records = []
+        self._reset_stats()
+        self.negotiator.rounds = 0
 
-    def _begin_pass(self) -> None:
-        """Start of one micro-batch's forward."""
-        self.recording: List[Event] = []
-        self.following = self.trace is not None
-        self.pos = 0
-        self.backward = False
+    def begin_micro_batch(self, micro_batch: int) -> None:
+        self.micro_batch = micro_batch
+        self.records.append(MicroBatchRecord())
+        self.in_backward = self.compute_done = False
+        self._stack, self._held = [], {}
+        self._pos = self._issued = 0
+        if not self.reshard:
+            self.mode = Mode.PERSISTENT
+        elif self.schedule is not None:
+            self.mode = Mode.FOLLOW
+        else:
+            self.mode = Mode.NEGOTIATE
+            self.records[-1].exited = True
+            self.on_negotiate()
 
     def begin_backward(self) -> None:
-        self.backward = True
+        self.in_backward = True
+        self._event(EventKind.BACKWARD_START, 0)
 
-    def end_micro_batch(self, last: bool) -> None:
-        """After one micro-batch's backward: free everything, check and adopt the trace."""
-        self._drain()
-        for u, state in enumerate(self.buffers.state):
-            if state is not UnitState.SHARDED:
-                self._free(u)
-        if self.trace is None or not self.following or self.pos != len(self.trace):
-            self._adopt(self.recording)
-        if not last:
-            self._begin_pass()
+    def finish_backward(self) -> None:
+        """Before the micro-batch's reductions are waited for: complete the fetch protocol."""
+        self.compute_done = True
+        if self.mode is Mode.FOLLOW and self._pos != len(self.schedule):
+            # A prefix of the trace: nothing more to fetch, only the rest of the plan to take part in.
+            self.records[-1].exited = True
+            self._issue_rest_dry()
+        if self.mode is Mode.NEGOTIATE:
+            self._finish_rounds(self.micro_batch)
 
-    def _adopt(self, events: List[Event]) -> None:
-        self._verify_same_on_all_ranks(events)
-        if self.trace is not None and not self._logged_deviation:
-            log.info("zeroray: module order changed (data-dependent branch?); fetched on demand for one "
-                     "step and re-recorded the prefetch trace")
-            self._logged_deviation = True
-        self.trace = list(events)
-        self._next_use = self._compute_next_use(self.trace)
-        # _cum_bytes[i]: parameter bytes of events 0..i-1 (a unit counted at each use), the
-        # prefetcher's measure of distance along the trace
-        self._cum_bytes = [0]
-        for event in self.trace:
-            self._cum_bytes.append(self._cum_bytes[-1] + sum(self.buffers.unit_bytes(u) for u in self._event_units(event)))
+    def abort_micro_batch(self) -> None:
+        """This rank stops computing the micro-batch (its code raised): take part in every gather
+        its peers still expect of it, and in their rounds."""
+        self.compute_done = True
+        if self.mode is Mode.FOLLOW:
+            self._issue_rest_dry()
+        elif self.mode is Mode.NEGOTIATE:
+            self._finish_rounds(self.micro_batch)
 
-    def _compute_next_use(self, trace: List[Event]) -> List[Dict[int, int]]:
-        """For each event index, unit -> index of that unit's next use after it."""
-        out: List[Dict[int, int]] = [dict() for _ in trace]
-        last: Dict[int, int] = {}
-        for i in range(len(trace) - 1, -1, -1):
-            out[i] = dict(last)
-            for u in self._event_units(trace[i]):
-                last[u] = i
-        return out
+    def end_micro_batch(self) -> None:
+        """After the micro-batch's reductions: every gather finished, every stage-3 unit freed."""
+        for handle in self._dry:
+            self.wait(handle)
+        self._dry.clear()
+        for u in self.units.holding():
+            self.units.wait(u, self.wait)
+            if self.reshard:
+                self.units.free(u)
+        self.gatherer.release_discard()
+        self._stack, self._held = [], {}
 
-    def _event_units(self, event: Event) -> Tuple[int, ...]:
-        kind, index = event
-        return self.module_units[index] if kind == "F" else (index,)
+    def dry_micro_batch(self, micro_batch: int) -> None:
+        """A micro-batch this rank does not compute (an earlier one raised): take part in its gathers."""
+        self.begin_micro_batch(micro_batch)
+        self.abort_micro_batch()
+        self.end_micro_batch()
+
+    def status(self) -> Tuple[float, float, float]:
+        """(left the plan, events, digest) of the last micro-batch, for the step's status all-reduce."""
+        record = self.records[-1] if self.records else MicroBatchRecord()
+        return float(any(r.exited for r in self.records)), float(len(record.events)), float(digest(record.events))
+
+    def end_step(self, failed: bool, any_exit: bool, agreed: bool) -> None:
+        """After the status all-reduce: adopt the recorded sequence when every rank recorded the same."""
+        if self.reshard and not failed and any_exit:
+            events = self.records[-1].events
+            if agreed and (self.schedule is None or events != self.schedule.events):
+                if self.schedule is not None:
+                    self._log_once("retrace", "zeroray: the modules' order changed (a data-dependent branch, the "
+                                              "same on every worker); stage 3 re-recorded its prefetch trace")
+                self.schedule = Schedule.build(
+                    events, self.module_needs, [u.nbytes for u in self.units], self.gatherer.coalesce,
+                    prefetch=self.prefetch, prefetch_bytes=self.prefetch_bytes,
+                    max_live_bytes=self.max_live_bytes, reuse_distance=self.reuse_distance)
+            elif not agreed:
+                self._log_once("diverged", "zeroray: the workers ran different modules in one step (data-dependent "
+                                           "control flow); stage 3 negotiated each fetch in that step, which trains "
+                                           "exactly but without prefetch (see comm_report()['rounds'])")
+        if self.group.rank == 0:
+            for m in range(len(self.records)):
+                self.group.clear_signal(self._exit_key(m))
+        self.negotiator.forget(self.call)
+        self.stats["rounds"] = self.negotiator.rounds
+        self.mode = Mode.IDLE
+
+    def flush(self) -> None:
+        """Finish every gather in flight (stages 1-2 publish); see [Note: deferred publish]."""
+        for u in self.units.holding():
+            self.units.wait(u, self.wait)
+
+    def publish(self) -> None:
+        """Stages 1-2, after the optimizer step: start gathering every unit from the updated shard."""
+        for group_units in self.gatherer.coalesce([u.index for u in self.units]):
+            handle = self.gatherer.gather(group_units, [self.units[u].full for u in group_units],
+                                          channel=Channel.GATHER)
+            for u in group_units:
+                self.units[u].start_gather(handle)
 
     # --- events ----------------------------------------------------------------------------
 
-    def _event(self, event: Event) -> None:
-        self.recording.append(event)
-        if self.following:
-            if self.pos < len(self.trace) and self.trace[self.pos] == event:
-                self.pos += 1
-            else:
-                self.following = False
-
     def _make_pre_hook(self, index: int):
         def hook(module, args):
-            self._event(("F", index))
-            for u in self.module_units[index]:
-                self._active[u] += 1
-            self.ensure(self.module_units[index])
-            self._prefetch()
+            self.enter(index)
         return hook
 
     def _make_post_hook(self, index: int):
         def hook(module, args, output):
-            for u in self.module_units[index]:
-                self._active[u] -= 1
-                if not self.backward and self._active[u] == 0 and not self._needed_soon(u):
-                    self._free(u)
+            self.exit(index)
         return hook
 
-    def _needed_soon(self, unit: int) -> bool:
-        """Keep ``unit`` gathered: its next use is within reuse_distance events or the prefetch window."""
-        if not self.following or self.pos == 0:
-            return False
-        nxt = self._next_use[self.pos - 1].get(unit)
-        if nxt is None:
-            return False
-        if nxt - (self.pos - 1) <= self.reuse_distance:
-            return True
-        ahead = self._cum_bytes[nxt] - self._cum_bytes[self.pos] + self.buffers.unit_bytes(unit)
-        return (self.prefetch_enabled and ahead <= self.prefetch_bytes
-                and self.buffers.gathered_bytes() <= self.max_live_bytes)
+    def enter(self, index: int) -> None:
+        if self.mode is not Mode.IDLE:
+            self._event(EventKind.FORWARD, index)
 
-    def ensure_module(self, module: torch.nn.Module) -> None:
-        """Gather a module's units outside its hooks (recomputation under activation checkpointing)."""
+    def exit(self, index: int) -> None:
+        if self.mode is not Mode.IDLE:
+            self._event(EventKind.END, index)
+
+    def enter_module(self, module: torch.nn.Module) -> bool:
+        """Recomputation under activation checkpointing: the checkpointed module's own hooks do
+        not fire, so its units are fetched here (an event like its pre-hook); True if hooked."""
         index = self._index_of.get(id(module))
-        if index is not None:
-            self.ensure(self.module_units[index])
+        if index is None or not self.in_backward:
+            return False
+        self.enter(index)
+        return True
+
+    def exit_module(self, module: torch.nn.Module) -> None:
+        self.exit(self._index_of[id(module)])
+
+    def on_access(self, name: str, unit: int) -> None:
+        """A parameter of ``unit`` is about to be read; see [Note: parameter access]."""
+        state = self.units[unit].state
+        if self.mode is Mode.IDLE:
+            if state is UnitState.GATHERING:
+                self.units.wait(unit, self.wait)
+            elif state is UnitState.SHARDED:
+                module = self.layout.units[unit].module or "<root>"
+                raise ParameterAccessError(
+                    f"parameter {name!r} (unit of module {module!r}) was read outside a training step, where "
+                    "stage 3 keeps only this worker's shard of it. Read parameters in loss_fn or in the model's "
+                    "forward (zeroray gathers them there), and on the driver use trainer.get_parameter(name) or "
+                    "trainer.state_dict().")
+            return
+        if self.mode is Mode.PERSISTENT:
+            if state is UnitState.GATHERING:
+                self.units.wait(unit, self.wait)
+            return
+        expected = self.mode is Mode.FOLLOW and self._pos < len(self.schedule) and \
+            self.schedule.events[self._pos] == (EventKind.ACCESS, unit)
+        if state is UnitState.SHARDED or expected:
+            self._event(EventKind.ACCESS, unit)
+        elif state is UnitState.GATHERING:
+            self.units.wait(unit, self.wait)
 
     def on_backward_use(self, unit: int) -> None:
         """A saved view of ``unit`` is being unpacked by autograd."""
-        if not self.recording or self.recording[-1] != ("B", unit):
-            self._event(("B", unit))
-            self._prefetch()
-        self.ensure((unit,))
+        events = self.records[-1].events if self.records else []
+        if not events or events[-1] != (EventKind.BACKWARD, unit):
+            self._event(EventKind.BACKWARD, unit)
+        else:  # the same unit again, right after: already fetched for the previous unpack
+            self.stats["fetches"] += 1
+            self.stats["prefetch_hits"] += 1
+            self.units.wait(unit, self.wait)
 
     def on_grads_done(self, unit: int) -> None:
-        """All gradients of ``unit`` were handed to the reducer: its parameters are no longer needed."""
-        if self._active[unit] == 0 and self.buffers.state[unit] is not UnitState.SHARDED:
-            self._free(unit)
+        """All gradients of ``unit`` reached the reducer: its parameters are no longer needed."""
+        if self.reshard and self.mode is not Mode.IDLE and self._held.get(unit, 0) == 0:
+            self.units.wait(unit, self.wait)
+            self.units.free(unit)
 
-    # --- gathering -------------------------------------------------------------------------
+    def _event(self, kind: EventKind, index: int) -> None:
+        self.records[-1].events.append((kind, index))
+        if self.mode is Mode.PERSISTENT:
+            if kind is EventKind.FORWARD:
+                for u in self.module_needs[index]:
+                    self.units.wait(u, self.wait)
+            return
+        released = self._track(kind, index)
+        if self.mode is Mode.FOLLOW:
+            if self._pos < len(self.schedule) and self.schedule.events[self._pos] == (kind, index):
+                if self._follow():
+                    return
+            else:
+                self._leave_plan(f"event {len(self.records[-1].events) - 1} ({self._describe((kind, index))}) "
+                                 "differs from the trace")
+        # NEGOTIATE
+        for u in released:
+            self.units.free(u)
+        needs = self._needs(kind, index)
+        self._fetch(needs)
 
-    def ensure(self, units: Sequence[int]) -> None:
-        missing = []
-        for u in units:
-            state = self.buffers.state[u]
+    def _track(self, kind: EventKind, index: int) -> List[int]:
+        """Which running module holds which units; the units an END leaves held by nobody."""
+        released: List[int] = []
+        if kind is EventKind.FORWARD:
+            self._stack.append((index, []))
+        elif kind is EventKind.END and self._stack and self._stack[-1][0] == index:
+            for u in self._stack.pop()[1]:
+                self._held[u] -= 1
+                if self._held[u] == 0 and not self.in_backward:
+                    released.append(u)
+        if kind is EventKind.FORWARD or (kind is EventKind.ACCESS and self._stack):
+            for u in self._needs(kind, index):
+                self._stack[-1][1].append(u)
+                self._held[u] = self._held.get(u, 0) + 1
+        return released
+
+    def _needs(self, kind: EventKind, index: int) -> Tuple[int, ...]:
+        if kind is EventKind.FORWARD:
+            return self.module_needs[index]
+        if kind in (EventKind.ACCESS, EventKind.BACKWARD):
+            return (index,)
+        return ()
+
+    # --- following the schedule ------------------------------------------------------------
+
+    def _follow(self) -> bool:
+        """Do schedule position ``_pos``; False if the plan turned out not to hold (left it)."""
+        position = self.schedule.positions[self._pos]
+        self._pos += 1
+        for group_units in position.on_demand:
+            self._issue(group_units)
+        t0 = time.perf_counter()
+        for u in position.needs:
+            state = self.units[u].state
             self.stats["fetches"] += 1
+            if state is UnitState.SHARDED:
+                self._leave_plan(f"unit {self.layout.units[u].module!r} was not gathered where the trace needs it")
+                return False
+            self.stats["prefetch_hits" if u not in {x for g in position.on_demand for x in g} else "on_demand"] += 1
+            self.units.wait(u, self.wait)
+        self.stats["fetch_wait_s"] += time.perf_counter() - t0
+        for group_units in position.prefetch:
+            self._issue(group_units)
+        for u in position.release:
+            self.units.wait(u, self.wait)
+            self.units.free(u)
+        self._peak()
+        return True
+
+    def _issue(self, group_units: Tuple[int, ...], wet: bool = True) -> None:
+        self._issued += 1
+        if not wet:
+            self._dry.append(self.gatherer.gather(list(group_units), [None] * len(group_units),
+                                                  channel=Channel.GATHER))
+            return
+        fulls = [self.units.alloc(u) for u in group_units]
+        handle = self.gatherer.gather(list(group_units), fulls, channel=Channel.GATHER)
+        for u in group_units:
+            self.units[u].start_gather(handle)
+
+    def _peak(self) -> None:
+        gathered = self.units.gathered_bytes()
+        if gathered > self.stats["peak_gathered_bytes"]:
+            self.stats["peak_gathered_bytes"] = gathered
+
+    # --- leaving the plan, negotiating -----------------------------------------------------
+
+    def _exit_key(self, micro_batch: int) -> str:
+        return f"exit/{self.call}/{micro_batch}"
+
+    def _issue_rest_dry(self) -> None:
+        """Take part in the plan's remaining gathers, keeping nothing (the peers need this rank's shards)."""
+        for group_units in self.schedule.groups[self._issued:]:
+            self._issue(group_units, wet=False)
+
+    def _leave_plan(self, why: str) -> None:
+        """Fetch off the plan from now on; see [Note: plan exit]."""
+        if self.mode is not Mode.FOLLOW:
+            return
+        self.stats["plan_exits"] += 1
+        self.records[-1].exited = True
+        if self.group.signalled(self._exit_key(self.micro_batch)) is None:
+            self.group.signal(self._exit_key(self.micro_batch), f"rank {self.group.rank}: {why}")
+        if not self.group.independent_channels:
+            self.mode = Mode.IDLE
+            raise UnrecoverableDivergence(
+                f"stage 3: worker {self.group.rank} left the step's prefetch plan ({why}); over NCCL the "
+                "workers cannot negotiate fetches in the middle of a step. Make forward's control flow the same "
+                "on every worker, or use stage 0-2.")
+        self._issue_rest_dry()
+        self.mode = Mode.NEGOTIATE
+        self.on_negotiate()
+
+    def _fetch(self, needs: Sequence[int]) -> None:
+        """NEGOTIATE: wait for what is in flight, agree on and gather what is missing."""
+        if not needs:
+            return
+        self._join_earlier()
+        t0 = time.perf_counter()
+        missing = []
+        for u in needs:
+            self.stats["fetches"] += 1
+            state = self.units[u].state
             if state is UnitState.SHARDED:
                 missing.append(u)
                 self.stats["on_demand"] += 1
             else:
                 self.stats["prefetch_hits"] += 1
         if missing:
-            self._issue(missing)
-        t0 = time.perf_counter()
-        for u in units:
-            self._complete(u)
+            self.negotiator.fetch(self.call, self.micro_batch, missing)
+        for u in needs:
+            self.units.wait(u, self.wait)
         self.stats["fetch_wait_s"] += time.perf_counter() - t0
+        self._peak()
 
-    def _complete(self, unit: int) -> None:
-        """Wait for the gather that holds ``unit`` (if any): all of its units become GATHERED."""
-        handle = self._handles.pop(unit, None)
-        if handle is not None:
-            handle.wait()
-            for v in handle.units:
-                self._handles.pop(v, None)
-                self.buffers.state[v] = UnitState.GATHERED
+    def _finish_rounds(self, micro_batch: int) -> None:
+        record = self.records[micro_batch]
+        if not record.finished:
+            record.finished = True
+            if self.mode is Mode.NEGOTIATE and micro_batch == self.micro_batch:
+                self._join_earlier()
+            self.negotiator.finish(self.call, micro_batch)
 
-    def _issue(self, units: List[int]) -> None:
-        for group_units in self.gatherer.coalesce(units):
-            fulls = []
-            for u in group_units:
-                fulls.append(self.buffers.alloc(u))
-                self.buffers.state[u] = UnitState.GATHERING
-                self._ptr_to_unit[fulls[-1].untyped_storage().data_ptr()] = u
-            handle = self.gatherer.gather(group_units, fulls, async_op=True)
-            for u in group_units:
-                self._handles[u] = handle
-        gathered = self.buffers.gathered_bytes()
-        if gathered > self.stats["peak_gathered_bytes"]:
-            self.stats["peak_gathered_bytes"] = gathered
+    def _join_earlier(self) -> None:
+        for m in range(self.micro_batch):
+            record = self.records[m]
+            if not record.finished and self.group.signalled(self._exit_key(m)) is not None:
+                record.exited = True
+                self._finish_rounds(m)
 
-    def _prefetch(self) -> None:
-        if not (self.prefetch_enabled and self.following and self.trace):
+    def poll(self) -> None:
+        """Called between slices of a blocking wait: join any plan exit a peer announced."""
+        if self.mode is Mode.IDLE or not self.reshard or not self.records:
             return
-        ahead, budget_used, todo = self.pos, 0, []
-        live = self.buffers.gathered_bytes()
-        while ahead < len(self.trace):
-            for u in self._event_units(self.trace[ahead]):
-                if u in todo:
-                    continue
-                nbytes = self.buffers.unit_bytes(u)
-                if self.buffers.state[u] is UnitState.SHARDED:
-                    if budget_used + nbytes > self.prefetch_bytes or live + nbytes > self.max_live_bytes:
-                        ahead = len(self.trace)
-                        break
-                    todo.append(u)
-                    live += nbytes
-                budget_used += nbytes
-            ahead += 1
-        if todo:
-            self._issue(todo)
-
-    def _free(self, unit: int) -> None:
-        self._complete(unit)  # never free memory a collective is still writing into
-        ptr = self.buffers.full[unit].untyped_storage().data_ptr()
-        self._ptr_to_unit.pop(ptr, None)
-        self.buffers.free(unit)
-
-    def _drain(self) -> None:
-        for u in list(self._handles):
-            self._complete(u)
+        if not self.group.independent_channels:
+            for m in range(len(self.records)):
+                exit_note = self.group.signalled(self._exit_key(m))
+                if exit_note is not None:
+                    self.mode = Mode.IDLE
+                    raise UnrecoverableDivergence(
+                        f"stage 3: a peer left the step's prefetch plan ({exit_note}); over NCCL the workers cannot "
+                        "negotiate fetches in the middle of a step. Make forward's control flow the same on every "
+                        "worker, or use stage 0-2.")
+            return
+        if self.negotiator.in_round:
+            return  # a round's own waits: its peers are in it too
+        self._join_earlier()
+        if self.mode is Mode.FOLLOW and self.group.signalled(self._exit_key(self.micro_batch)) is not None:
+            self._leave_plan("a peer left the plan")
+        if self.mode is Mode.NEGOTIATE:
+            if self.compute_done:
+                self._finish_rounds(self.micro_batch)
+            else:
+                self.negotiator.join(self.call, self.micro_batch)
 
     # --- saved tensors ---------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor):
         try:
-            unit = self._ptr_to_unit.get(t.untyped_storage().data_ptr())
+            unit = self.units.unit_at(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):
             unit = None
         return t if unit is None else (_UnitRef, unit, t)
@@ -277,45 +483,30 @@ class FetchCoordinator:
             return obj[2]
         return obj
 
-    # --- trace verification ----------------------------------------------------------------
+    # --- reports and teardown --------------------------------------------------------------
 
-    def _verify_same_on_all_ranks(self, events: List[Event]) -> None:
-        if self.group.world_size == 1:
-            return
-        codes = [i if k == "F" else -(i + 1) for k, i in events]
-        digest = 0
-        for c in codes:
-            digest = (digest * 1000003 + c + 7) % (2**61 - 1)
-        probe = torch.tensor([len(codes), digest, -len(codes), -digest], dtype=torch.float64)
-        self.group.all_reduce(probe, op="max")
-        if probe[0] == -probe[2] and probe[1] == -probe[3]:
-            return
-        n = int(probe[0].item())
-        mine = torch.full((n,), -(10**9), dtype=torch.int64)
-        mine[:len(codes)] = torch.tensor(codes, dtype=torch.int64)
-        everyone = torch.empty(n * self.group.world_size, dtype=torch.int64)
-        self.group.all_gather(everyone, mine)
-        rows = everyone.view(self.group.world_size, n)
-        for i in range(n):
-            column = rows[:, i].tolist()
-            if len(set(column)) > 1:
-                names = [self._describe(c) for c in column]
-                raise TraceMismatchError(
-                    f"stage 3 needs every worker to run the same modules in the same order, but at event {i} "
-                    f"of the step the workers ran: " + ", ".join(f"rank {r}: {n_}" for r, n_ in enumerate(names))
-                    + ". Make control flow in forward independent of the worker's batch (or use stage 0-2).")
+    def _describe(self, event: Event) -> str:
+        kind, index = event
+        if kind in (EventKind.FORWARD, EventKind.END):
+            return f"{'forward' if kind is EventKind.FORWARD else 'end'} of module {self.module_names[index] or '<root>'!r}"
+        if kind is EventKind.ACCESS:
+            return f"a read of unit {self.layout.units[index].module or '<root>'!r}"
+        if kind is EventKind.BACKWARD:
+            return f"backward of unit {self.layout.units[index].module or '<root>'!r}"
+        return "the start of backward"
 
-    def _describe(self, code: int) -> str:
-        if code == -(10**9):
-            return "<nothing>"
-        if code >= 0:
-            return f"module {self.module_names[code] or '<root>'!r}"
-        return f"backward of unit {self.layout.units[-code - 1].module!r}"
+    def _log_once(self, key: str, message: str) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.info(message)
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self.wait.poll = None
+        self.modules.clear()
+        self._index_of.clear()
 
 
 class _UnitRef:

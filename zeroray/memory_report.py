@@ -27,11 +27,6 @@ def _storages(tensors) -> Dict[int, int]:
     return out
 
 
-def _optimizer_state_tensors(engine) -> List[torch.Tensor]:
-    return [v for state in engine.optimizer.inner.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor)]
-
-
 def measure(engine) -> Dict[str, Any]:
     """Bytes of the storages the engine holds, by category; see the module docstring.
 
@@ -43,17 +38,17 @@ def measure(engine) -> Dict[str, Any]:
     Call it after a step: the optimizer allocates its state on the first one.
     """
     zero, layout = engine.zero, engine.layout
-    buffers = engine.buffers
-    engine.flush_params()  # the stage 1-2 gathers of the last step, still in flight (see engine.py)
-    param_st = _storages(list(buffers.full) + [buffers.arena, engine.param_shard])
+    units = engine.units
+    engine.flush()  # the stage 1-2 gathers of the last step, still in flight ([Note: deferred publish])
+    param_st = _storages([u.full for u in units] + [units.arena, engine.param_shard])
     grad_st = {k: v for k, v in _storages([engine.grad]).items() if k not in param_st}
-    optim_st = {k: v for k, v in _storages([engine.master] + _optimizer_state_tensors(engine)).items()
+    optim_st = {k: v for k, v in _storages([engine.master] + engine.optimizer.state_tensors()).items()
                 if k not in param_st and k not in grad_st}
-    stats = engine.coordinator.stats if engine.coordinator is not None else {}
+    stats = engine.fetch_stats()
     reduce_buffers = engine.reducer.buffer_bytes()
     # The staging buffers themselves (all back in the free pool between steps): the gatherer's
     # buffer_bytes() counts every allocation at the largest size, also the undersized ones dropped.
-    gather_buffers = sum(_storages(engine.gatherer._free).values()) if engine.gatherer else 0
+    gather_buffers = engine.gatherer.free_staging_bytes() if engine.gatherer else 0
     measured = {"params": sum(param_st.values()), "grads": sum(grad_st.values()),
                 "optimizer": sum(optim_st.values())}
     paper = memory.model_state_bytes(layout.numel, engine.world_size, zero.stage, zero.dtype,
@@ -66,7 +61,7 @@ def measure(engine) -> Dict[str, Any]:
             "gathered_params_peak": stats.get("peak_gathered_bytes", 0),
             "bucket_buffers": reduce_buffers + gather_buffers,
             "reduce_buffers": reduce_buffers, "gather_buffers": gather_buffers,
-            "activations_peak": getattr(engine, "activation_peak_bytes", None),
+            "activations_peak": engine.activation_peak_bytes,
             "num_params": layout.numel, "padded_numel": layout.full_numel,
             **_cuda_stats(engine.device)}
 
@@ -87,7 +82,7 @@ def _optimizer_for_estimate(engine) -> Any:
         memory.optimizer_state_bytes_per_param(engine.optimizer_spec, engine.zero.dtype)
         return engine.optimizer_spec
     except ValueError:
-        state = sum(_storages(_optimizer_state_tensors(engine)).values())
+        state = sum(_storages(engine.optimizer.state_tensors()).values())
         return state // max(4 * engine.master.numel(), 1)
 
 

@@ -8,19 +8,16 @@ covers, and the optimizer state is a few contiguous tensors (M_D). Padding eleme
 zero value and zero gradient and stay zero under these optimizers. An optimizer that mixes
 elements (per-tensor norms, as in LAMB) would not match the unsharded run; see README.
 
-The same class serves stage 0, where the "shard" is the whole model and no norm reduction
-across workers is needed (``group=None``).
+The same class serves stage 0, where the "shard" is the whole model.
 """
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zeroray.comm.group import Group
 
 
 @dataclass(frozen=True)
@@ -90,10 +87,12 @@ def build_segments(spans: Sequence[Tuple[int, int, Dict[str, Any]]], total: int)
 
 
 class ShardedOptimizer:
+    """An inner torch optimizer over this rank's flat fp32 master, by segments ([Note: flat
+    optimizer]), with global-norm clipping and an optional LR scheduler."""
+
     def __init__(self, spec: Any, master: torch.Tensor, grad: torch.Tensor, segments: List[Segment],
-                 group: Optional[Group], max_grad_norm: Optional[float],
-                 scheduler_fn: Optional[Callable[[Any], Any]] = None) -> None:
-        self.master, self.grad, self.segments, self.group = master, grad, segments, group  # 1D fp32 each
+                 max_grad_norm: Optional[float], scheduler_fn: Optional[Callable[[Any], Any]] = None) -> None:
+        self.master, self.grad, self.segments = master, grad, segments  # 1D fp32 each
         self.max_grad_norm = max_grad_norm
         self.flat_params: List[torch.nn.Parameter] = []
         groups = []
@@ -109,13 +108,15 @@ class ShardedOptimizer:
                              "pass zr.AdamW(...) or a callable params -> torch.optim.Optimizer")
         self.scheduler = scheduler_fn(self.inner) if scheduler_fn is not None else None
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the (already averaged) gradient: one all-reduce of squared norms."""
+    def local_sumsq(self) -> torch.Tensor:
+        """Squared L2 norm of this rank's (already averaged) gradient, a 0-dim fp32 tensor; the
+        engine sums it over ranks in the step's status all-reduce."""
         # vector_norm, not pow(2).sum(): no gradient-sized temporary
-        sumsq = torch.linalg.vector_norm(self.grad).square().reshape(1)
-        if self.group is not None and self.group.world_size > 1:
-            self.group.all_reduce(sumsq)
-        return math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("inf")
+        return torch.linalg.vector_norm(self.grad).square()
+
+    def state_tensors(self) -> List[torch.Tensor]:
+        """The inner optimizer's state tensors (momentum, variance, ...), for memory reports."""
+        return [v for state in self.inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
     def step(self, norm: float) -> None:
         """Clip by the global norm (as torch.nn.utils.clip_grad_norm_ does) and update."""

@@ -99,7 +99,8 @@ class _Placeholders:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
-def build_sharded(model_fn: Callable[[], torch.nn.Module], seed: int, world_size: int, rank: int
+def build_sharded(model_fn: Callable[[], torch.nn.Module], seed: int, world_size: int, rank: int,
+                  layout_fn: Optional[Callable[[torch.nn.Module], FlatLayout]] = None
                   ) -> Optional[Tuple[torch.nn.Module, FlatLayout, Dict[str, Tuple[int, int, torch.Tensor]]]]:
     """(model, layout, kept) where kept[name] = (lo, hi, values) is this rank's piece of each
     trainable parameter's flat elements; None if the model cannot be built on ``meta``."""
@@ -115,7 +116,7 @@ def build_sharded(model_fn: Callable[[], torch.nn.Module], seed: int, world_size
         return None
     finally:
         handle.remove()
-    layout = FlatLayout.from_module(meta_model, world_size)
+    layout = layout_fn(meta_model) if layout_fn is not None else FlatLayout.from_module(meta_model, world_size)
     names = {id(p): n for n, p in meta_model.named_parameters()}
     fates: List[Tuple[str, Optional[str]]] = []  # per created param: ("shard", name) / ("keep", _) / ("drop", _)
     for p in recorder.params:

@@ -45,8 +45,8 @@ def _run_one(rank, world, port, spec, out_file):
         norms.append(stats.grad_norm)
         skipped.append(stats.skipped)
         report = group.counter.as_dict()
-        if engine.coordinator is not None:
-            report["fetch"] = dict(engine.coordinator.stats)
+        if engine.fetch_stats():
+            report["fetch"] = engine.fetch_stats()
         report["bucket_pool"] = engine.reducer.pool_size
         report["time_s"] = stats.time_s
         reports.append(report)

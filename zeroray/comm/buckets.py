@@ -15,17 +15,21 @@ asynchronously, but only in plan order (see [Note: collective order] in group.py
 reduction of one bucket overlaps the rest of backward. Buffers come from a small pool that
 is allocated once and reused every step; a bucket waits for a free buffer rather than
 allocating one, unless every buffer is still being filled (arrival order far from the plan).
+
+In a negotiated stage-3 step (negotiate.py) over a backend without independent channels
+(NCCL), ``hold=True`` keeps every launch for ``finish``, after the agreement rounds, so the
+reductions never interleave with the rounds' gathers in one stream of collectives.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from zeroray.arena import FlatLayout
-from zeroray.comm.group import Group
+from zeroray.comm.group import Channel, Group
 
 
 @dataclass
@@ -67,6 +71,9 @@ class GradBuckets:
         self._plan(list(unit_order))
         self._free: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.pool_size = 0
+        self.hold = False       # see the module docstring
+        self.accepting = True   # this backward's gradients go through the buckets (else autograd keeps them)
+        self.wait = _plain_wait  # the engine's polling waiter (comm/waiter.py)
         self._reset()
 
     # --- plan ------------------------------------------------------------------------------
@@ -112,6 +119,11 @@ class GradBuckets:
         self.max_row_numel = max((b.row_numel for b in self.buckets), default=0)
 
     # --- per step --------------------------------------------------------------------------
+
+    def begin_backward(self, accepting: bool) -> None:
+        """Before a micro-batch: reduce its gradients (``accepting``) or leave them to autograd;
+        launch as buckets fill until a negotiated fetch says to hold them."""
+        self.accepting, self.hold = accepting, False
 
     def _reset(self) -> None:
         self._pending = [b.num_params for b in self.buckets]
@@ -163,13 +175,15 @@ class GradBuckets:
             self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
+        if self.hold and not force:
+            return
         while self._next_launch < len(self.buckets) and (force or self._pending[self._next_launch] == 0):
             b = self._next_launch
             inp, out = self._acquire(b)
             rows = self.buckets[b].row_numel
             if self.mode == "reduce_scatter":
                 handle = self.group.reduce_scatter(out[:rows], inp[:self.rows * rows], async_op=True,
-                                                   scratch=out[self.max_row_numel:])
+                                                   scratch=out[self.max_row_numel:], channel=Channel.REDUCE)
             else:
                 handle = self.group.all_reduce(inp[:rows], async_op=True)
             self._inflight.append((b, handle))
@@ -177,7 +191,7 @@ class GradBuckets:
 
     def _complete_oldest(self) -> None:
         b, handle = self._inflight.popleft()
-        handle.wait()
+        self.wait(handle)
         inp, out = self._bufs.pop(b)
         with torch.no_grad():
             for piece in self.buckets[b].pieces:
@@ -186,8 +200,12 @@ class GradBuckets:
                     out[piece.off:piece.off + piece.b - piece.a].to(self.target.dtype))
         self._free.append((inp, out))
 
+    def launch_all(self) -> None:
+        """End of one backward: launch what is left (missing gradients count as zero)."""
+        self._launch_ready(force=True)
+
     def finish(self) -> None:
-        """End of one backward: launch what is left (missing gradients count as zero), wait all."""
+        """End of one backward: launch what is left, wait for every reduction, start over."""
         self._launch_ready(force=True)
         while self._inflight:
             self._complete_oldest()
@@ -202,14 +220,10 @@ class GradBuckets:
         return self.max_row_numel + self.group.scratch_numel(self.max_row_numel)
 
 
-def default_unit_order(layout: FlatLayout, trace_units: Optional[Sequence[int]] = None) -> List[int]:
-    """Order in which gradients are expected: the recorded backward order, else reverse layout."""
-    if trace_units:
-        seen, order = set(), []
-        for u in trace_units:
-            if u not in seen:
-                seen.add(u)
-                order.append(u)
-        order += [u.index for u in reversed(layout.units) if u.index not in seen]
-        return order
+def _plain_wait(handle) -> None:
+    handle.wait()
+
+
+def default_unit_order(layout: FlatLayout) -> List[int]:
+    """Order in which gradients are expected: reverse layout order (backward runs forward's reverse)."""
     return [u.index for u in reversed(layout.units)]

@@ -15,12 +15,13 @@ Each rank sends (W-1)/W of the payload, as the ring does (so [Note: bytes counte
 All sends and receives are posted at once and never block, so there is no ordering among
 them to deadlock on; a message is matched by (peer, tag), and the tag is a per-group
 sequence number that advances identically on every rank because every rank issues the
-collectives in the same order ([Note: collective order]). The pg's timeout applies to
+collectives in the same order ([Note: collective order]), per channel: each channel has its
+own sequence in its own range of tags ([Note: channels] in group.py). The pg's timeout applies to
 each receive, so a dead peer raises, as a collective would.
 
 Gloo's point-to-point work has no future and reports completion only through ``wait()``
 (which must be called once: a second wait on a receive waits for another message). So each
-group has one *watcher* thread that waits for the exchanges in launch order, runs the
+channel of a group has one *watcher* thread that waits for its exchanges in launch order, runs the
 reduce-scatter's sum, stamps the completion time (the total communication time) and sets
 an event; the caller's ``wait()`` waits on that event (the exposed time) and re-raises the
 watcher's error, e.g. gloo's timeout. Only the launching happens on the caller's thread,
@@ -31,11 +32,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
-_TAG_SPAN = 1 << 30
+from zeroray.errors import CollectiveError
+
+_TAG_SPAN = 1 << 27  # tags of one channel; channel c uses [c * _TAG_SPAN, (c + 1) * _TAG_SPAN)
 
 
 class Exchange:
@@ -62,15 +65,22 @@ class Exchange:
         self.event.set()
 
     def wait(self) -> None:
+        self.wait_for(None)
+
+    def wait_for(self, timeout_s: Optional[float]) -> bool:
+        """Block up to ``timeout_s`` (None: until done); True once completed (errors raised)."""
         if self.works is None:
-            return
+            return True
         t0 = time.perf_counter()
-        self.event.wait()
+        finished = self.event.wait(timeout_s)
         self.counter.wait_s += time.perf_counter() - t0
+        if not finished:
+            return False
         self.counter.add_busy(self.started, self.done_at)
         self.works = self.finish = None
         if self.error is not None:
-            raise self.error
+            raise CollectiveError(str(self.error)) from self.error
+        return True
 
     def is_completed(self) -> bool:
         return self.event.is_set()
@@ -79,57 +89,71 @@ class Exchange:
 class PeerExchange:
     """The two collectives over one gloo ProcessGroup's send/recv."""
 
-    def __init__(self, pg, rank: int, world_size: int, counter) -> None:
+    def __init__(self, pg, rank: int, world_size: int, counter, timeout_s: float = 300.0) -> None:
         self.pg, self.rank, self.world_size, self.counter = pg, rank, world_size, counter
+        self.timeout_s = timeout_s
         self.peers = [r for r in range(world_size) if r != rank]
-        self._seq = 0
-        self._pending: "queue.SimpleQueue[Optional[Exchange]]" = queue.SimpleQueue()
-        self._watcher: Optional[threading.Thread] = None
+        self._seq: Dict[int, int] = {}  # channel -> last sequence number
+        # One watcher per channel: exchanges complete in launch order within a channel, and a
+        # reduction waiting for a late peer must not hold back a gather that already arrived.
+        self._pending: Dict[int, "queue.SimpleQueue[Optional[Exchange]]"] = {}
+        self._watchers: Dict[int, threading.Thread] = {}
 
-    def _tag(self) -> int:
-        self._seq = (self._seq + 1) % _TAG_SPAN
-        return self._seq
+    def _tag(self, channel: int) -> int:
+        seq = self._seq[channel] = (self._seq.get(channel, 0) + 1) % _TAG_SPAN
+        return channel * _TAG_SPAN + seq
 
-    def _submit(self, exchange: Exchange) -> Exchange:
-        if self._watcher is None:
+    def _submit(self, exchange: Exchange, channel: int) -> Exchange:
+        if channel not in self._watchers:
             # The thread holds the queue only, never the pg: the pg must be destroyed on the
             # thread that closes the group, not on a thread that is exiting.
-            self._watcher = threading.Thread(target=_watch, args=(self._pending,), name="zeroray-exchange",
-                                             daemon=True)
-            self._watcher.start()
-        self._pending.put(exchange)
+            self._pending[channel] = queue.SimpleQueue()
+            self._watchers[channel] = threading.Thread(target=_watch, args=(self._pending[channel],),
+                                                       name=f"zeroray-exchange-{channel}", daemon=True)
+            self._watchers[channel].start()
+        self._pending[channel].put(exchange)
         return exchange
 
     def close(self) -> None:
-        if self._watcher is not None:
-            self._pending.put(None)
-            self._watcher.join(timeout=60)  # an exchange still in flight ends by the pg's timeout
-            self._watcher = None
+        for channel, watcher in self._watchers.items():
+            self._pending[channel].put(None)
+        for watcher in self._watchers.values():
+            # An exchange still in flight ends by the pg's timeout at the latest.
+            watcher.join(timeout=self.timeout_s + 5)
+        self._watchers.clear()
+        self._pending.clear()
         self.pg = None
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Exchange:
+    def _post(self, sends, recvs, tag: int) -> list:
+        """Post every send and receive at once (none blocks); a broken connection raises here."""
+        try:
+            return [self.pg.send([t], p, tag) for t, p in sends] + [self.pg.recv([t], p, tag) for t, p in recvs]
+        except RuntimeError as e:
+            raise CollectiveError(str(e)) from e
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, channel: int = 0) -> Exchange:
         """``out`` viewed as (W, inp.numel()): row r becomes rank r's ``inp``."""
-        started, tag = time.perf_counter(), self._tag()
+        started, tag = time.perf_counter(), self._tag(channel)
         rows = out.view(self.world_size, -1)
-        works = [self.pg.send([inp], p, tag) for p in self.peers]
-        works += [self.pg.recv([rows[p]], p, tag) for p in self.peers]
+        works = self._post([(inp, p) for p in self.peers], [(rows[p], p) for p in self.peers], tag)
         if rows[self.rank].data_ptr() != inp.data_ptr():
             rows[self.rank].copy_(inp)
-        return self._submit(Exchange(works, None, self.counter, started))
+        return self._submit(Exchange(works, None, self.counter, started), channel)
 
     def scratch_numel(self, out_numel: int) -> int:
         return (self.world_size - 1) * out_numel
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, scratch: Optional[torch.Tensor]) -> Exchange:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, scratch: Optional[torch.Tensor],
+                       channel: int = 1) -> Exchange:
         """``inp`` viewed as (W, out.numel()): ``out`` becomes the sum over ranks of row ``rank``."""
-        started, tag = time.perf_counter(), self._tag()
+        started, tag = time.perf_counter(), self._tag(channel)
         n = out.numel()
         rows = inp.view(self.world_size, n)
         if scratch is None:  # callers on the hot path pass a reused buffer
             scratch = torch.empty(self.scratch_numel(n), dtype=inp.dtype, device=inp.device)
         received = scratch[:self.scratch_numel(n)].view(self.world_size - 1, n)
-        works = [self.pg.send([rows[p]], p, tag) for p in self.peers]
-        works += [self.pg.recv([received[i]], p, tag) for i, p in enumerate(self.peers)]
+        works = self._post([(rows[p], p) for p in self.peers], [(received[i], p) for i, p in enumerate(self.peers)],
+                           tag)
         mine = rows[self.rank]
 
         def finish() -> None:
@@ -137,7 +161,7 @@ class PeerExchange:
             for i in range(1, len(self.peers)):
                 out.add_(received[i])
 
-        return self._submit(Exchange(works, finish, self.counter, started))
+        return self._submit(Exchange(works, finish, self.counter, started), channel)
 
 
 def _watch(pending: "queue.SimpleQueue[Optional[Exchange]]") -> None:

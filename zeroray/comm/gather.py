@@ -5,6 +5,10 @@ buffer. Several units whose slices are adjacent in the local shard (consecutive 
 order, the common case) send that slice of the shard as is; the result, an (W, columns)
 matrix in a staging buffer, is copied out into each unit's (W, shard_numel) full buffer.
 Staging buffers are bounded by ``bucket_bytes`` and reused.
+
+A rank may take part in a gather whose result it does not need (its peers do: a negotiated
+step's union, or the rest of a plan it left; see fetch.py): a target of ``None`` sends this
+rank's shard and discards what arrives, into one scratch buffer.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import Callable, Deque, List, Optional, Sequence
 import torch
 
 from zeroray.arena import FlatLayout
-from zeroray.comm.group import Group, Handle
+from zeroray.comm.group import Channel, Group, Handle
 
 
 class GatherHandle:
@@ -24,13 +28,21 @@ class GatherHandle:
         self.units, self._handle, self._finish = units, handle, finish
 
     def wait(self) -> None:
+        self.wait_for(None)
+
+    def wait_for(self, timeout_s: Optional[float]) -> bool:
+        """Block up to ``timeout_s`` (None: until done); True once finished."""
         if self._handle is None:
-            return
-        self._handle.wait()
+            return True
+        if timeout_s is None:
+            self._handle.wait()
+        elif not self._handle.wait_for(timeout_s):
+            return False
         self._handle = None
         if self._finish is not None:
             self._finish()
             self._finish = None
+        return True
 
     @property
     def done(self) -> bool:
@@ -48,6 +60,8 @@ class UnitGatherer:
         self.pool_size = 0
         self._pool_bytes = 0
         self._staging_numel = 0  # grows to the largest coalesced group, which is <= bucket_bytes
+        self._discard: Optional[torch.Tensor] = None  # target of gathers this rank does not need
+        self.wait: Callable[[GatherHandle], None] = lambda handle: handle.wait()  # the engine's polling waiter
 
     def coalesce(self, units: Sequence[int]) -> List[List[int]]:
         """Split units (in issue order) into groups gathered by one collective each."""
@@ -68,13 +82,26 @@ class UnitGatherer:
             groups.append(cur)
         return groups
 
-    def gather(self, units: List[int], fulls: List[torch.Tensor], async_op: bool = True) -> GatherHandle:
-        """All-gather ``units`` into ``fulls`` (their full buffers, already allocated)."""
+    def _discard_buffer(self, numel: int) -> torch.Tensor:
+        if self._discard is None or self._discard.numel() < numel:
+            self._discard = torch.empty(max(u.padded for u in self.layout.units), dtype=self.shard.dtype,
+                                        device=self.shard.device)
+        return self._discard[:numel]
+
+    def release_discard(self) -> None:
+        """Drop the scratch of discarded gathers (allocated only when one happened)."""
+        self._discard = None
+
+    def gather(self, units: List[int], fulls: List[Optional[torch.Tensor]], async_op: bool = True,
+               channel: Channel = Channel.GATHER) -> GatherHandle:
+        """All-gather ``units`` into ``fulls`` (their full buffers, already allocated; None:
+        take part, discard the result), in ``channel``'s order ([Note: channels] in group.py)."""
         layout = self.layout
         if len(units) == 1:
             u = layout.units[units[0]]
             inp = self.shard[u.shard_offset:u.shard_offset + u.shard_numel]
-            return GatherHandle(units, self.group.all_gather(fulls[0], inp, async_op=async_op), None)
+            out = fulls[0] if fulls[0] is not None else self._discard_buffer(u.padded)
+            return GatherHandle(units, self.group.all_gather(out, inp, async_op=async_op, channel=channel), None)
         order = sorted(range(len(units)), key=lambda i: units[i])
         us = [layout.units[units[i]] for i in order]
         cols = sum(u.shard_numel for u in us)
@@ -86,10 +113,10 @@ class UnitGatherer:
         while self._inflight and self._inflight[0].done:
             self._inflight.popleft()
         if not self._free and len(self._inflight) >= self.MAX_STAGING:
-            self._inflight.popleft().wait()  # recycle the oldest staging buffer: the pool stays constant
+            self.wait(self._inflight.popleft())  # recycle the oldest staging buffer: the pool stays constant
         staging = self._acquire(cols * self.group.world_size)
         out = staging[:cols * self.group.world_size]
-        handle = self.group.all_gather(out, inp, async_op=async_op)
+        handle = self.group.all_gather(out, inp, async_op=async_op, channel=channel)
         W = self.group.world_size
 
         def finish() -> None:
@@ -97,7 +124,8 @@ class UnitGatherer:
             c = 0
             with torch.no_grad():
                 for i, u in zip(order, us):
-                    fulls[i].view(W, u.shard_numel).copy_(matrix[:, c:c + u.shard_numel])
+                    if fulls[i] is not None:
+                        fulls[i].view(W, u.shard_numel).copy_(matrix[:, c:c + u.shard_numel])
                     c += u.shard_numel
             self._free.append(staging)
 
@@ -121,3 +149,7 @@ class UnitGatherer:
     def buffer_bytes(self) -> int:
         """Bytes of the staging buffers allocated and not dropped (in use or free)."""
         return self._pool_bytes
+
+    def free_staging_bytes(self) -> int:
+        """Bytes of the staging buffers back in the free pool (all of them between steps)."""
+        return sum(b.numel() * b.element_size() for b in self._free)

@@ -11,14 +11,28 @@ therefore issues the same collectives in the same order: bucket launches follow 
 plan, prefetches follow a trace that every rank verified to be identical, and nothing is
 issued from a second thread.
 
+[Note: channels]
+Collectives are matched across ranks by issue order *per channel*: parameter gathers
+(``GATHER``), gradient reductions (``REDUCE``) and the small agreement rounds of a
+negotiated stage-3 step (``ROUND``) each keep their own order. On gloo (the point-to-point
+exchange) a channel is a range of message tags, so a rank may interleave its gathers and
+its reductions differently from a peer, which a negotiated step needs (see [Note:
+negotiated fetch] in negotiate.py). NCCL has one stream of collectives per group
+(``independent_channels`` is False): there a negotiated step reduces after its gathers.
+Small all-reduces (grad norm, step status, trace check) use the backend's own collective.
+
 [Note: bytes counted]
 ``bytes`` is what one rank sends with the ring algorithm: all-gather and reduce-scatter of
 a full tensor of N bytes send N·(W-1)/W, all-reduce sends 2·N·(W-1)/W. That is the unit of
-the paper's "2Φ vs 3Φ" and what DESIGN.md §1 tabulates.
+the paper's "2Φ vs 3Φ" (docs/architecture.md). Control messages (the step's status
+all-reduce, the rounds of a negotiated fetch: a few hundred bytes) are counted apart, under
+names starting with ``control_``, and stay out of ``total_bytes``.
 """
 from __future__ import annotations
 
 import datetime
+import enum
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Protocol
@@ -26,10 +40,21 @@ from typing import Dict, Optional, Protocol
 import torch
 
 from zeroray.comm.exchange import PeerExchange
+from zeroray.errors import CollectiveError
+
+
+class Channel(enum.Enum):
+    """Independent orders of collectives; see [Note: channels]."""
+
+    GATHER = 0
+    REDUCE = 1
+    ROUND = 2
 
 
 class Handle(Protocol):
     def wait(self) -> None: ...
+
+    def is_completed(self) -> bool: ...
 
 
 class DoneHandle:
@@ -37,6 +62,9 @@ class DoneHandle:
 
     def wait(self) -> None:
         return None
+
+    def wait_for(self, timeout_s: float) -> bool:
+        return True
 
     def is_completed(self) -> bool:
         return True
@@ -82,7 +110,8 @@ class CommCounter:
 
     @property
     def total_bytes(self) -> int:
-        return sum(s.bytes for s in self.collectives.values())
+        """Model-state bytes sent (params, gradients); control messages excluded."""
+        return sum(s.bytes for k, s in self.collectives.items() if not k.startswith("control_"))
 
     def as_dict(self) -> dict:
         return {"total_bytes": self.total_bytes,
@@ -91,45 +120,85 @@ class CommCounter:
 
 
 class _TimedHandle:
-    """Wraps a torch Work so the time the caller blocks on it is counted as exposed."""
+    """Wraps a torch Work so the time the caller blocks on it is counted as exposed.
 
-    __slots__ = ("work", "counter")
+    ``done`` is set by the work's future when the collective completed, which lets a caller
+    block for a bounded time (``wait_for``) and do something else in between."""
 
-    def __init__(self, work, counter: CommCounter) -> None:
-        self.work, self.counter = work, counter
+    __slots__ = ("work", "counter", "done")
+
+    def __init__(self, work, counter: CommCounter, done: Optional[threading.Event]) -> None:
+        self.work, self.counter, self.done = work, counter, done
 
     def wait(self) -> None:
         if self.work is None:
             return
         t0 = time.perf_counter()
-        self.work.wait()
+        try:
+            self.work.wait()
+        except RuntimeError as e:  # a peer died, a connection broke, the timeout passed
+            raise CollectiveError(str(e)) from e
         self.counter.wait_s += time.perf_counter() - t0
         self.work = None
+
+    def wait_for(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s``; True (and finished, errors raised) once it completed."""
+        if self.work is None:
+            return True
+        if self.done is not None:
+            t0 = time.perf_counter()
+            finished = self.done.wait(timeout_s)
+            self.counter.wait_s += time.perf_counter() - t0
+            if not finished:
+                return False
+        self.wait()
+        return True
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
 
 
 class Group:
-    """Base: rank, world size, counters. Subclasses implement the collectives."""
+    """Base: rank, world size, counters. Subclasses implement the collectives.
+
+    ``independent_channels``: see [Note: channels]. ``blocking_waits``: waiting on a handle
+    blocks the host until the data arrived (gloo), so a waiter can poll for signals in
+    between; on NCCL a wait only orders streams. ``signal``/``signalled`` pass a short string
+    to every rank outside the collectives (the rendezvous store): how a rank that leaves the
+    step's plan tells the others (see [Note: plan exit] in fetch.py)."""
 
     rank: int
     world_size: int
     counter: CommCounter
+    independent_channels: bool = False
+    blocking_waits: bool = False
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False) -> Handle:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
+                   channel: Channel = Channel.GATHER, control: bool = False) -> Handle:
         raise NotImplementedError
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
-                       scratch: Optional[torch.Tensor] = None) -> Handle:
+                       scratch: Optional[torch.Tensor] = None, channel: Channel = Channel.REDUCE) -> Handle:
         """``scratch``: optional reused buffer of ``scratch_numel(out.numel())`` elements."""
         raise NotImplementedError
+
+    def signal(self, key: str, value: str) -> None:
+        """Publish ``value`` under ``key`` for every rank (world size 1: nobody to tell)."""
+
+    def signalled(self, key: str) -> Optional[str]:
+        """The value some rank published under ``key``, or None (without blocking)."""
+        return None
+
+    def clear_signal(self, key: str) -> None:
+        """Forget ``key`` (one rank does it, once every rank is past reading it)."""
 
     def scratch_numel(self, out_numel: int) -> int:
         """Working space a reduce-scatter into ``out_numel`` elements needs (0: none)."""
         return 0
 
-    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False,
+                   control: bool = False) -> Handle:
+        """``control``: a small message about the step, not model state ([Note: bytes counted])."""
         raise NotImplementedError
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
@@ -148,17 +217,17 @@ class SoloGroup(Group):
     def __init__(self) -> None:
         self.rank, self.world_size, self.counter = 0, 1, CommCounter()
 
-    def all_gather(self, out, inp, async_op=False):
+    def all_gather(self, out, inp, async_op=False, channel=Channel.GATHER, control=False):
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return DoneHandle()
 
-    def reduce_scatter(self, out, inp, async_op=False, scratch=None):
+    def reduce_scatter(self, out, inp, async_op=False, scratch=None, channel=Channel.REDUCE):
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return DoneHandle()
 
-    def all_reduce(self, t, op="sum", async_op=False):
+    def all_reduce(self, t, op="sum", async_op=False, control=False):
         return DoneHandle()
 
     def broadcast(self, t, src=0):
@@ -174,30 +243,56 @@ class TorchGroup(Group):
 
     _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
-    def __init__(self, pg, rank: int, world_size: int, backend: str, *, point_to_point: Optional[bool] = None) -> None:
+    def __init__(self, pg, rank: int, world_size: int, backend: str, *, point_to_point: Optional[bool] = None,
+                 store=None, timeout_s: float = 300.0) -> None:
         self.pg, self.rank, self.world_size, self.backend = pg, rank, world_size, backend
+        self.store = store  # the rendezvous store: signal() / signalled()
         self.counter = CommCounter()
         # See [Note: gloo point-to-point]; NCCL's own collectives are the fast path on GPUs.
         if point_to_point is None:
             point_to_point = backend == "gloo"
-        self.exchange = PeerExchange(pg, rank, world_size, self.counter) if point_to_point else None
+        self.exchange = PeerExchange(pg, rank, world_size, self.counter, timeout_s) if point_to_point else None
+        self.independent_channels = self.exchange is not None
+        self.blocking_waits = backend == "gloo"
+
+    def signal(self, key: str, value: str) -> None:
+        if self.store is not None:
+            self.store.set(key, value)
+
+    def signalled(self, key: str) -> Optional[str]:
+        if self.store is None or not self.store.check([key]):
+            return None
+        return self.store.get(key).decode()
+
+    def clear_signal(self, key: str) -> None:
+        if self.store is not None and self.store.check([key]):
+            self.store.delete_key(key)
 
     def _ring(self, n: int) -> int:
         return n * (self.world_size - 1) // self.world_size
 
+    @staticmethod
+    def _launch(start):
+        try:
+            return start()
+        except RuntimeError as e:
+            raise CollectiveError(str(e)) from e
+
     def _done(self, work, async_op: bool) -> Handle:
         started = time.perf_counter()
         counter = self.counter
+        done = threading.Event()
 
         def finished(_fut) -> None:
             # Runs on the backend's thread when the collective completes.
             counter.add_busy(started, time.perf_counter())
+            done.set()
 
         try:
             work.get_future().add_done_callback(finished)
         except (RuntimeError, AttributeError):  # a backend without futures: total time unknown
-            pass
-        return self._sync(_TimedHandle(work, self.counter), async_op)
+            done = None
+        return self._sync(_TimedHandle(work, self.counter, done), async_op)
 
     @staticmethod
     def _sync(handle: Handle, async_op: bool) -> Handle:
@@ -205,34 +300,34 @@ class TorchGroup(Group):
             handle.wait()
         return handle
 
-    def all_gather(self, out, inp, async_op=False):
+    def all_gather(self, out, inp, async_op=False, channel=Channel.GATHER, control=False):
         assert out.numel() == inp.numel() * self.world_size, (out.shape, inp.shape)
-        self.counter.add("all_gather", _nbytes(out), self._ring(_nbytes(out)))
+        self.counter.add("control_all_gather" if control else "all_gather", _nbytes(out), self._ring(_nbytes(out)))
         if self.exchange is not None:
-            return self._sync(self.exchange.all_gather(out, inp), async_op)
-        return self._done(self.pg._allgather_base(out, inp), async_op)
+            return self._sync(self.exchange.all_gather(out, inp, channel.value), async_op)
+        return self._done(self._launch(lambda: self.pg._allgather_base(out, inp)), async_op)
 
     def scratch_numel(self, out_numel: int) -> int:
         return self.exchange.scratch_numel(out_numel) if self.exchange is not None else 0
 
-    def reduce_scatter(self, out, inp, async_op=False, scratch=None):
+    def reduce_scatter(self, out, inp, async_op=False, scratch=None, channel=Channel.REDUCE):
         assert inp.numel() == out.numel() * self.world_size, (out.shape, inp.shape)
         import torch.distributed as dist
 
         self.counter.add("reduce_scatter", _nbytes(inp), self._ring(_nbytes(inp)))
         if self.exchange is not None:
-            return self._sync(self.exchange.reduce_scatter(out, inp, scratch), async_op)
+            return self._sync(self.exchange.reduce_scatter(out, inp, scratch, channel.value), async_op)
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        return self._done(self.pg._reduce_scatter_base(out, inp, opts), async_op)
+        return self._done(self._launch(lambda: self.pg._reduce_scatter_base(out, inp, opts)), async_op)
 
-    def all_reduce(self, t, op="sum", async_op=False):
+    def all_reduce(self, t, op="sum", async_op=False, control=False):
         import torch.distributed as dist
 
-        self.counter.add("all_reduce", _nbytes(t), 2 * self._ring(_nbytes(t)))
+        self.counter.add("control_all_reduce" if control else "all_reduce", _nbytes(t), 2 * self._ring(_nbytes(t)))
         opts = dist.AllreduceOptions()
         opts.reduceOp = getattr(dist.ReduceOp, self._OPS[op])
-        return self._done(self.pg.allreduce([t], opts), async_op)
+        return self._done(self._launch(lambda: self.pg.allreduce([t], opts)), async_op)
 
     def broadcast(self, t, src=0):
         import torch.distributed as dist
@@ -240,7 +335,7 @@ class TorchGroup(Group):
         self.counter.add("broadcast", _nbytes(t), _nbytes(t) if self.rank == src else 0)
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self._done(self.pg.broadcast([t], opts), False)
+        self._done(self._launch(lambda: self.pg.broadcast([t], opts)), False)
 
     def close(self) -> None:
         # Drop the reference; the backend tears its connections down when collected.
@@ -249,13 +344,16 @@ class TorchGroup(Group):
             abort()
         if self.exchange is not None:
             self.exchange.close()
-        self.pg = self.exchange = None
+        self.pg = self.exchange = self.store = None
 
 
 def make_torch_group(backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
-                     timeout_s: float = 300.0, store_prefix: str = "zeroray") -> Group:
-    """Rendezvous through a TCPStore hosted by rank 0 and build the process group object."""
-    if world_size == 1:
+                     timeout_s: float = 300.0, store_prefix: str = "zeroray", solo: bool = True) -> Group:
+    """Rendezvous through a TCPStore hosted by rank 0 and build the process group object.
+
+    ``solo=False`` builds a real process group at world size 1 too (the NCCL path exercised
+    on one GPU, benchmarks/gpu_check.py), instead of the SoloGroup shortcut."""
+    if world_size == 1 and solo:
         return SoloGroup()
     import torch.distributed as dist
 
@@ -271,7 +369,7 @@ def make_torch_group(backend: str, rank: int, world_size: int, master_addr: str,
         pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
     else:
         raise ValueError(f"backend={backend!r} is unknown: use 'gloo' (CPU) or 'nccl' (GPU)")
-    return TorchGroup(pg, rank, world_size, backend)
+    return TorchGroup(pg, rank, world_size, backend, store=store, timeout_s=timeout_s)
 
 
 def free_port() -> int:

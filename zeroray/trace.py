@@ -1,0 +1,186 @@
+"""The stage-3 fetch trace and the schedule derived from it: pure, no tensors, no collectives.
+
+[Note: fetch trace]
+One micro-batch is a sequence of *events*:
+- ``FORWARD m``: hooked module ``m`` is about to run (it needs its units gathered);
+- ``END m``: module ``m`` returned (its units may be freed);
+- ``ACCESS u``: a parameter of unit ``u`` was read while ``u`` was not gathered (in
+  ``loss_fn``, or in a forward outside the unit's subtree; see [Note: parameter access]);
+- ``BACKWARD_START``: the loss's backward begins;
+- ``BACKWARD u``: autograd is about to read a saved view of unit ``u``.
+Which module an ``ACCESS`` belongs to follows from the events before it: the innermost
+``FORWARD`` not yet ``END``ed holds the unit until its ``END`` (none: until the end of the
+micro-batch).
+
+The first step records this sequence; once every rank recorded the same one, it becomes
+the *trace*, and ``Schedule.build`` turns it, once, into what each position does: which
+units to gather on demand, which to wait for, which gathers of upcoming positions to start
+(the prefetch window of ``prefetch_bytes``, never more than ``max_live_bytes`` gathered), and
+which units to free after an ``END`` (those not needed again within ``reuse_distance``
+events or inside the prefetch window: the prefetcher would gather them again at once). The
+schedule depends on nothing but the trace and the configuration, so every rank issues the
+same gathers in the same order ([Note: collective order] in group.py), and the list of a
+micro-batch's gathers is known in advance, which is what lets a rank that leaves it still
+issue the rest (see [Note: plan exit] in fetch.py).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Sequence, Tuple
+
+
+class EventKind(enum.Enum):
+    FORWARD = "F"
+    END = "E"
+    ACCESS = "A"
+    BACKWARD_START = "S"
+    BACKWARD = "B"
+
+
+Event = Tuple[EventKind, int]  # (kind, module index for FORWARD/END, unit index for ACCESS/BACKWARD, 0 for S)
+
+_KIND_CODE = {EventKind.FORWARD: 0, EventKind.END: 1, EventKind.ACCESS: 2, EventKind.BACKWARD_START: 3,
+              EventKind.BACKWARD: 4}
+_DIGEST_MOD = (1 << 52) - 1  # exact in a float64, so it can travel in the step's status all-reduce
+
+
+def digest(events: Sequence[Event]) -> int:
+    """A 52-bit fingerprint of an event sequence (equal sequences, equal digests)."""
+    h = len(events) % _DIGEST_MOD
+    for kind, index in events:
+        h = (h * 1000003 + _KIND_CODE[kind] * 7919 + index + 1) % _DIGEST_MOD
+    return h
+
+
+@dataclass(frozen=True)
+class Position:
+    """What one position of the trace does, in order: ``on_demand`` gathers (groups of units,
+    one collective each), wait for ``needs``, ``prefetch`` gathers, then free ``release``."""
+
+    needs: Tuple[int, ...] = ()
+    on_demand: Tuple[Tuple[int, ...], ...] = ()
+    prefetch: Tuple[Tuple[int, ...], ...] = ()
+    release: Tuple[int, ...] = ()
+
+
+class Schedule:
+    """The gathers, waits and frees of one micro-batch that follows ``events``; see [Note: fetch trace]."""
+
+    def __init__(self, events: List[Event], positions: List[Position]) -> None:
+        self.events, self.positions = events, positions
+        # Every gather of the micro-batch in issue order, and where each position's start.
+        self.groups: List[Tuple[int, ...]] = []
+        self.first_group: List[int] = []
+        for p in positions:
+            self.first_group.append(len(self.groups))
+            self.groups.extend(p.on_demand + p.prefetch)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    @classmethod
+    def build(cls, events: Sequence[Event], module_needs: Sequence[Tuple[int, ...]], unit_bytes: Sequence[int],
+              coalesce: Callable[[List[int]], List[List[int]]], *, prefetch: bool, prefetch_bytes: int,
+              max_live_bytes: int, reuse_distance: int) -> "Schedule":
+        events = list(events)
+        needs = [_needs(e, module_needs) for e in events]
+        n = len(events)
+        # uses_before[i]: need-bearing events before position i (reuse_distance counts those)
+        uses_before, cum_bytes = [0], [0]
+        for i in range(n):
+            uses_before.append(uses_before[-1] + (1 if needs[i] else 0))
+            cum_bytes.append(cum_bytes[-1] + sum(unit_bytes[u] for u in needs[i]))
+        next_use: List[Dict[int, int]] = [dict() for _ in range(n)]  # after position i: unit -> position
+        last: Dict[int, int] = {}
+        for i in range(n - 1, -1, -1):
+            next_use[i] = dict(last)
+            for u in needs[i]:
+                last[u] = i
+        last_backward_use: Dict[int, int] = {}
+        backward_from = next((i for i, e in enumerate(events) if e[0] is EventKind.BACKWARD_START), n)
+        for i in range(backward_from, n):
+            for u in needs[i]:
+                last_backward_use[u] = i
+
+        alive: set = set()
+        held: Dict[int, int] = {}                 # unit -> running modules holding it
+        stack: List[Tuple[int, List[int]]] = []   # running modules: (module, units it holds)
+        in_backward = False
+        positions: List[Position] = []
+
+        def live() -> int:
+            return sum(unit_bytes[u] for u in alive)
+
+        def needed_soon(u: int, i: int) -> bool:
+            """Keep ``u`` gathered after END at ``i``: its next use is within reuse_distance
+            need-bearing events, or inside the prefetch window."""
+            nxt = next_use[i].get(u)
+            if nxt is None:
+                return False
+            if uses_before[nxt] - (uses_before[i] - 1) <= reuse_distance:
+                return True
+            ahead = cum_bytes[nxt] - cum_bytes[i + 1] + unit_bytes[u]
+            return prefetch and ahead <= prefetch_bytes and live() <= max_live_bytes
+
+        for i, (kind, index) in enumerate(events):
+            on_demand: List[Tuple[int, ...]] = []
+            fetched: List[Tuple[int, ...]] = []
+            release: List[int] = []
+            if kind is EventKind.BACKWARD_START:
+                in_backward = True
+            elif kind is EventKind.END and stack and stack[-1][0] == index:
+                for u in stack.pop()[1]:
+                    held[u] -= 1
+                    if not in_backward and held[u] == 0 and u in alive and not needed_soon(u, i):
+                        alive.discard(u)
+                        release.append(u)
+            elif kind is EventKind.FORWARD:
+                stack.append((index, []))
+            if kind is EventKind.FORWARD or (kind is EventKind.ACCESS and stack):
+                for u in needs[i]:  # held by the running module until its END
+                    stack[-1][1].append(u)
+                    held[u] = held.get(u, 0) + 1
+            if needs[i]:
+                missing = [u for u in needs[i] if u not in alive]
+                on_demand = [tuple(g) for g in coalesce(missing)] if missing else []
+                alive.update(missing)
+                if prefetch:
+                    todo = _prefetch(i, needs, alive, unit_bytes, prefetch_bytes, max_live_bytes, live())
+                    fetched = [tuple(g) for g in coalesce(todo)] if todo else []
+                    alive.update(todo)
+            if in_backward:
+                for u in needs[i]:
+                    if last_backward_use.get(u) == i and held.get(u, 0) == 0:
+                        alive.discard(u)  # its gradients complete after this use: freed then
+            positions.append(Position(tuple(needs[i]), tuple(on_demand), tuple(fetched), tuple(release)))
+        return cls(events, positions)
+
+
+def _needs(event: Event, module_needs: Sequence[Tuple[int, ...]]) -> Tuple[int, ...]:
+    kind, index = event
+    if kind is EventKind.FORWARD:
+        return tuple(module_needs[index])
+    if kind in (EventKind.ACCESS, EventKind.BACKWARD):
+        return (index,)
+    return ()
+
+
+def _prefetch(i: int, needs: List[Tuple[int, ...]], alive: set, unit_bytes: Sequence[int],
+              prefetch_bytes: int, max_live_bytes: int, live: int) -> List[int]:
+    """Units of the events after ``i`` to start gathering now: in trace order, while the bytes
+    of upcoming events' units stay within ``prefetch_bytes`` and the gathered bytes within
+    ``max_live_bytes``; stops at the first unit that does not fit."""
+    budget, todo = 0, []
+    for j in range(i + 1, len(needs)):
+        for u in needs[j]:
+            if u in todo:
+                continue
+            nbytes = unit_bytes[u]
+            if u not in alive:
+                if budget + nbytes > prefetch_bytes or live + nbytes > max_live_bytes:
+                    return todo
+                todo.append(u)
+                live += nbytes
+            budget += nbytes
+    return todo
