@@ -12,7 +12,7 @@ from tests.models import lm_loss, make_batches, parity_model, reference_run
 STEPS = 4
 
 
-def _check_every_stage(device: str) -> None:
+def check_every_stage(device: str) -> None:
     batches = make_batches(STEPS)
     ref = reference_run(parity_model, lm_loss, ref_adamw, batches)
     specs = [dict(model_fn=parity_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
@@ -23,10 +23,10 @@ def _check_every_stage(device: str) -> None:
 
 
 def test_host_staged_ranks_match_pytorch_on_cpu():
-    _check_every_stage("cpu")
+    check_every_stage("cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_two_ranks_share_one_gpu():
-    _check_every_stage("cuda:0")
+    check_every_stage("cuda:0")
