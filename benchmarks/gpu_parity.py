@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -45,7 +45,7 @@ def _param_diff(engine: Engine, reference: Dict[str, torch.Tensor]) -> float:
     return worst
 
 
-def parity(device: str, setup: Setup = None, failures: List[str] = None) -> bool:
+def parity(device: str, setup: Optional[Setup] = None, failures: Optional[List[str]] = None) -> bool:
     """Stages 0-3 against plain PyTorch, through the SoloGroup and a world-1 process group."""
     from tests.models import lm_loss, make_batches, parity_model
 
