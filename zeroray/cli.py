@@ -1,5 +1,6 @@
 """The ``zeroray`` command: ``estimate`` (the paper's memory model), ``inspect`` and
-``consolidate`` (checkpoint tools, implemented in zeroray.checkpoint).
+``consolidate`` (checkpoint tools, implemented in zeroray.checkpoint), ``export-hf`` (a
+checkpoint as a Hugging Face model directory, implemented in zeroray.hf).
 
 Every subcommand returns an exit status: 0 on success, 2 for bad arguments, with the
 reason on stderr. Importing this module imports neither torch nor ray, so ``zeroray
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from typing import Callable, List, Optional, Sequence
 
@@ -68,6 +70,20 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: it must be an integer >= 1")
     return value
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _byte_size(text: str) -> int:
+    """5GB (10^9 bytes, as transformers' max_shard_size counts), 5GiB (2^30), 500MB, 1000000."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit not in _BYTE_UNITS or int(float(match.group(1)) * _BYTE_UNITS[unit]) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 5GB, 5GiB, 500MB or a number "
+                                         "of bytes (>= 1)")
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
 
 
 def _positive_float(text: str) -> float:
@@ -173,6 +189,16 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 2 if tool is None else int(tool(args.ckpt, args.out))
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    try:
+        # Imported on use: zeroray.hf pulls in torch (and transformers when it runs).
+        tool = importlib.import_module("zeroray.hf").cli_export_hf
+    except (ImportError, AttributeError) as e:
+        print(f"zeroray: export-hf is not available in this installation (zeroray.hf: {e})", file=sys.stderr)
+        return 2
+    return int(tool(args.ckpt, args.out, args.config, args.max_shard_size, args.dtype))
+
+
 # --- entry point -------------------------------------------------------------------------------
 
 
@@ -213,6 +239,21 @@ def _parser() -> argparse.ArgumentParser:
     con.add_argument("ckpt", metavar="CKPT")
     con.add_argument("out", metavar="OUT")
     con.set_defaults(handler=_consolidate)
+
+    hf = sub.add_parser("export-hf", help="write a sharded checkpoint as a Hugging Face model directory",
+                        description="Stream the checkpoint's weights into config.json plus safetensors "
+                                    "files (with model.safetensors.index.json when split), which "
+                                    "transformers' from_pretrained loads.")
+    hf.add_argument("ckpt", metavar="CKPT")
+    hf.add_argument("out", metavar="OUT", help="output directory")
+    hf.add_argument("--config", required=True, metavar="PATH",
+                    help="the model's config.json, or the saved model directory holding it")
+    hf.add_argument("--max-shard-size", type=_byte_size, default=5 * 2**30, metavar="SIZE",
+                    help="split the weights into files of at most this size (default 5GiB; "
+                         "GB = 10^9 bytes as in transformers, GiB = 2^30)")
+    hf.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                    help="dtype of the floating-point tensors written (default fp32, the master weights)")
+    hf.set_defaults(handler=_export_hf)
     return parser
 
 

@@ -159,21 +159,37 @@ class ShardedOptimizer:
         return tensors, scalars
 
     def import_state(self, tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any]) -> None:
-        device = self.master.device
-        for p, seg in zip(self.flat_params, self.segments):
-            state = {}
+        """Load what ``export_state`` produced (possibly resharded), through ``load_state_dict``.
+
+        [Note: state placement]
+        Each state tensor must end up where torch itself puts it, or the next ``step`` fails
+        on a GPU: ``step`` stays a CPU float32 scalar unless the group is fused or capturable,
+        then it goes to the parameter's device (fused Adam on CUDA refuses a CPU ``step``);
+        every other tensor goes to the parameter's device and, the parameter being floating,
+        its dtype. ``Optimizer.load_state_dict`` applies exactly that policy (and whatever an
+        optimizer subclass changes in it), so the state is handed to it in CPU form instead of
+        being written into ``inner.state`` by hand. Restore and resize both come through here.
+        """
+        sd = self.inner.state_dict()
+        state: Dict[int, Dict[str, torch.Tensor]] = {}
+        for index, seg in enumerate(self.segments):
+            entry = {}
             for name, flat in tensors.items():
                 if name.startswith("optim."):
-                    state[name[6:]] = flat[seg.start:seg.end].to(device=device, dtype=p.dtype).clone()
+                    # clone: load_state_dict's .to() is a no-op on a CPU run and would alias the caller's flat
+                    entry[name[6:]] = flat[seg.start:seg.end].clone()
             for name, value in scalars.items():
                 if name.startswith("optim.") and value is not None:
-                    state[name[6:]] = torch.tensor(float(value), dtype=torch.float32)
-            if state:
-                self.inner.state[p] = state
+                    # float32 on the CPU is how torch.optim creates a non-capturable step
+                    entry[name[6:]] = torch.tensor(float(value), dtype=torch.float32)
+            if entry:
+                state[sd["param_groups"][index]["params"][0]] = entry
+        sd["state"] = state
         lrs = scalars.get("group_lr", {})
-        for seg, g in zip(self.segments, self.inner.param_groups):
+        for seg, g in zip(self.segments, sd["param_groups"]):
             if seg.key in lrs:
                 g["lr"] = lrs[seg.key]
+        self.inner.load_state_dict(sd)
         if self.scheduler is not None and "scheduler" in scalars:
             sd = self.scheduler.state_dict()
             sd.update(scalars["scheduler"])

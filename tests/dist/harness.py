@@ -29,6 +29,10 @@ def _worker(rank, world, ports, specs_blob, out_dir):
 
 def _run_one(rank, world, port, spec, out_file):
     group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=120)
+    if spec.get("host_staged"):  # several ranks on one GPU: collectives staged through the host
+        from tests.staged_group import HostStagedGroup
+
+        group = HostStagedGroup(group)
     live_before = None
     if spec.get("census"):  # opt-in: a gc walk; freezing older objects keeps it to milliseconds
         gc.collect()
@@ -36,7 +40,7 @@ def _run_one(rank, world, port, spec, out_file):
         live_before = live_tensor_bytes()
     engine = Engine(spec["model_fn"], spec["loss_fn"], spec["optimizer"], spec["zero"], group,
                     seed=spec.get("seed", 0), param_groups=spec.get("param_groups"),
-                    scheduler=spec.get("scheduler"))
+                    scheduler=spec.get("scheduler"), device=spec.get("device", "cpu"))
     losses, norms, skipped, reports = [], [], [], []
     for batch in spec["batches"]:
         shard = split_batch(batch, world)[rank]

@@ -52,6 +52,15 @@ def _assemble(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.
     return flat.reshape(slot.shape)
 
 
+def read_full_param(reader: CheckpointReader, name: str) -> torch.Tensor:
+    """One full trainable parameter, by its canonical or tied-alias name, in the checkpoint's
+    master dtype and its own shape (ranged reads of the shards that hold it)."""
+    if name not in reader.layout.slots:
+        raise CheckpointError(f"{reader.storage.display(reader.dir)}: no trainable parameter {name!r} in "
+                              "this checkpoint")
+    return _assemble(reader, name, dtype_from_code(reader.manifest.tensors["master"]["dtype"]))
+
+
 def iter_full_params(path: Union[PathLike, Manifest], verify: bool = True,
                      with_aliases: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield (name, full fp32 parameter of its shape) for every trainable parameter, in layout

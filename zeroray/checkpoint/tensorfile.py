@@ -204,6 +204,26 @@ class TensorFileReader:
         """Elements ``[start, end)`` of the flattened tensor ``name``, as a new 1-D tensor."""
         return self.read_flat_ranges(name, [(start, end)])[0]
 
+    def read_flat_into(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[start, start + out.numel())`` of the flattened tensor ``name``, written
+        into the 1-D tensor ``out`` (any dtype or device: converted as copied). A contiguous CPU
+        ``out`` of the stored dtype is filled by one read, with no temporary; otherwise the bytes
+        pass through a buffer of at most ``_CHUNK`` bytes. Returns ``out``."""
+        e = self._entry(name)
+        n, size = _numel(e.shape), e.dtype.itemsize
+        end = start + out.numel()
+        if out.dim() != 1 or not 0 <= start <= end <= n:
+            raise ValueError(f"{self.file.display}: cannot read elements [{start}, {end}) of tensor "
+                             f"{name!r} ({n} elements) into a tensor of shape {list(out.shape)}")
+        if out.numel() and out.dtype == e.dtype and out.device.type == "cpu" and out.is_contiguous():
+            self.file.readinto_at(e.begin + start * size, memoryview(out.view(torch.uint8).numpy()))
+            return out
+        step = max(_CHUNK // size, 1)
+        for lo in range(start, end, step):
+            hi = min(lo + step, end)
+            out[lo - start:hi - start].copy_(self.read_flat(name, lo, hi))
+        return out
+
     def read_flat_ranges(self, name: str, ranges: Sequence[Tuple[int, int]],
                          max_gap_bytes: int = 2**20) -> List[torch.Tensor]:
         """Several element ranges of one tensor. Ranges closer than ``max_gap_bytes`` are read

@@ -11,6 +11,7 @@ or a ray.data.Dataset); a one-shot iterator cannot be replayed and fit says so.
 from __future__ import annotations
 
 import itertools
+import sys
 import logging
 import time
 from typing import Any, List, Optional
@@ -25,12 +26,8 @@ log = logging.getLogger("zeroray")
 
 
 def _is_ray_dataset(data: Any) -> bool:
-    try:
-        import ray.data
-
-        return isinstance(data, ray.data.Dataset)
-    except ImportError:
-        return False
+    ray_data = sys.modules.get("ray.data")  # a Dataset exists only once ray.data was imported
+    return ray_data is not None and isinstance(data, ray_data.Dataset)
 
 
 def _batches(trainer, data: Any, skip: int, batch_size: Optional[int]):

@@ -8,8 +8,9 @@ the last checkpoint and replays the data from there.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -18,6 +19,7 @@ from zeroray.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
 from zeroray.engine import batch_size, batch_structure, split_batch, structure_changed
+from zeroray.runtime.batch_transport import PackedBatch
 from zeroray.runtime.worker_group import WorkerGroup, ensure_ray
 
 log = logging.getLogger("zeroray")
@@ -31,6 +33,7 @@ class StepResult:
     skipped: bool = False  # fp16 overflow: the update was skipped on every worker
     loss_scale: Optional[float] = None
     step_time_s: float = 0.0
+    timeline: Optional[Dict[str, float]] = field(default=None, repr=False, compare=False)
 
 
 def _is_worker_failure(error: BaseException) -> bool:
@@ -149,10 +152,13 @@ class Trainer:
     def step(self, batch: Any) -> StepResult:
         """One optimizer step on a global batch (split evenly over the workers)."""
         self._check_batch(batch)
-        shards = split_batch(batch, self.num_workers)
+        shards = [PackedBatch(s) for s in split_batch(batch, self.num_workers)]  # [Note: batch transport]
+        submit = time.time()
         refs = self._group.call_each("train_step", [(s,) for s in shards])
         results = self._group.wait_all(refs, self.zero.collective_timeout_s + 60, f"step {self.step_count}")
-        return self._record_step(results)
+        out = self._record_step(results)
+        out.timeline = {"submit": submit, **results[0]["hops"], "receive": time.time()}
+        return out
 
     def _record_step(self, results: List[Dict[str, Any]]) -> StepResult:
         """The StepResult of the workers' per-rank results (shared with Ray Data's runtime/data.py)."""

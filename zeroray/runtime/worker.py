@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from zeroray.runtime.batch_transport import unpack
+
 
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -87,11 +89,16 @@ class Worker:
     # --- training --------------------------------------------------------------------------
 
     def train_step(self, batch: Any) -> Dict[str, Any]:
+        t_start = time.time()
         with self._lock:
-            stats = self.engine.train_step(batch)
+            t_engine = time.time()
+            stats = self.engine.train_step(unpack(batch))
+            t_engine_end = time.time()
         self.last_step_time = stats.time_s
         return {"loss": stats.loss, "grad_norm": stats.grad_norm, "step": stats.step, "skipped": stats.skipped,
-                "loss_scale": stats.loss_scale, "time_s": stats.time_s}
+                "loss_scale": stats.loss_scale, "time_s": stats.time_s,
+                "hops": {"actor_start": t_start, "engine_start": t_engine, "engine_end": t_engine_end,
+                         "actor_end": time.time()}}
 
     # --- Ray Data input (runtime/data.py) ------------------------------------------------------
 

@@ -1,0 +1,119 @@
+"""Where ShardedOptimizer.import_state puts each state tensor (restore and resize).
+
+The bug this guards against showed on a GPU only: restoring a checkpoint into an engine on
+``cuda:0`` left Adam's ``step`` on the CPU, and fused Adam refused it. The CPU suite cannot
+move anything to CUDA, so the parameters here live on the ``meta`` device: a device other
+than the CPU, on which optimizers can be built and state can be loaded (no step runs). A
+state tensor that stays on the CPU there would have stayed on the CPU next to a CUDA
+parameter too. See [Note: state placement] in zeroray/optim.py.
+"""
+import pytest
+import torch
+
+import zeroray as zr
+from zeroray.optim import Segment, ShardedOptimizer
+
+SEGMENTS = [Segment(0, 4, ()), Segment(4, 10, (("lr", 0.1),))]
+
+
+def _optimizer(spec, device="cpu") -> ShardedOptimizer:
+    master = torch.zeros(10, device=device)  # 1D fp32 shard
+    grad = torch.zeros(10, device=device)    # 1D fp32 shard
+    return ShardedOptimizer(spec, master, grad, SEGMENTS, None, None)
+
+
+def _saved_adam_state():
+    tensors = {"optim.exp_avg": torch.arange(10.0), "optim.exp_avg_sq": torch.arange(10.0) + 1}
+    scalars = {"optim.step": 3.0, "group_lr": {SEGMENTS[1].key: 0.05}}
+    return tensors, scalars
+
+
+def _placement(opt: ShardedOptimizer):
+    return [{k: (v.device, v.dtype) for k, v in opt.inner.state[p].items()} for p in opt.flat_params]
+
+
+def test_fused_adam_step_goes_to_the_parameter_device():
+    """The H200 failure: fused AdamW (zeroray's default kernel) wants ``step`` beside the params."""
+    opt = _optimizer(zr.AdamW(lr=1e-3), device="meta")
+    assert opt.inner.param_groups[0]["fused"]
+    opt.import_state(*_saved_adam_state())
+    meta = (torch.device("meta"), torch.float32)
+    assert _placement(opt) == [{"exp_avg": meta, "exp_avg_sq": meta, "step": meta}] * 2
+
+
+def test_capturable_adam_step_goes_to_the_parameter_device():
+    opt = _optimizer(lambda groups: torch.optim.Adam(groups, capturable=True, foreach=False), device="meta")
+    opt.import_state(*_saved_adam_state())
+    assert all(s["step"] == (torch.device("meta"), torch.float32) for s in _placement(opt))
+
+
+def test_plain_adam_step_stays_a_cpu_float32_scalar():
+    """Without fused/capturable torch keeps ``step`` on the CPU (a host scalar, no device sync)."""
+    opt = _optimizer(lambda groups: torch.optim.AdamW(groups, fused=False, foreach=False), device="meta")
+    opt.import_state(*_saved_adam_state())
+    meta = (torch.device("meta"), torch.float32)
+    assert _placement(opt) == [{"exp_avg": meta, "exp_avg_sq": meta, "step": (torch.device("cpu"), torch.float32)}] * 2
+
+
+def test_learning_rates_and_values_are_restored():
+    opt = _optimizer(zr.AdamW(lr=1e-3))
+    tensors, scalars = _saved_adam_state()
+    opt.import_state(tensors, scalars)
+    assert [g["lr"] for g in opt.inner.param_groups] == [1e-3, 0.05]
+    first, second = (opt.inner.state[p] for p in opt.flat_params)
+    assert torch.equal(first["exp_avg"], torch.arange(4.0))
+    assert torch.equal(second["exp_avg_sq"], torch.arange(4.0, 10.0) + 1)
+    assert float(second["step"]) == 3.0
+    # The optimizer owns its state: nothing aliases the caller's tensors.
+    tensors["optim.exp_avg"].fill_(-1)
+    assert torch.equal(first["exp_avg"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("spec", [zr.AdamW(lr=1e-2, weight_decay=0.1), zr.Adam(lr=1e-2), zr.SGD(lr=1e-2, momentum=0.9)],
+                         ids=["adamw", "adam", "sgd"])
+def test_export_import_continues_like_the_original(spec):
+    """Round trip on the CPU: the restored optimizer's next steps equal the original's, bit for bit."""
+    torch.manual_seed(0)
+    grads = [torch.randn(10) for _ in range(5)]
+    start = torch.randn(10)
+
+    def run(opt, steps):
+        for g in steps:
+            opt.grad.copy_(g)
+            opt.step(norm=1.0)
+
+    original = _optimizer(spec)
+    original.master.copy_(start)
+    run(original, grads[:3])
+    restored = _optimizer(spec)
+    restored.master.copy_(original.master)
+    restored.import_state(*original.export_state())
+    assert _placement(restored) == _placement(original)
+    run(original, grads[3:])
+    run(restored, grads[3:])
+    assert torch.equal(restored.master, original.master)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_restore_steps_on_cuda():
+    """The failing path itself: export -> import into a new engine on CUDA -> train_step."""
+    from tests.models import lm_loss, make_batches, parity_model
+    from zeroray.comm.group import SoloGroup
+    from zeroray.engine import Engine
+
+    batches = make_batches(3)
+
+    def engine():
+        return Engine(parity_model, lm_loss, zr.AdamW(lr=1e-2), zr.ZeroConfig(stage=3), SoloGroup(), device="cuda")
+
+    first = engine()
+    first.train_step(batches[0])
+    state = first.export_state()
+    first.close()
+    second = engine()
+    second.import_state(*state)
+    second.train_step(batches[1])
+    steps = {k: v.device.type for k, v in second.optimizer.inner.state[second.optimizer.flat_params[0]].items()}
+    second.close()
+    assert steps == {"exp_avg": "cuda", "exp_avg_sq": "cuda", "step": "cuda"}
