@@ -98,8 +98,7 @@ def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, ov
         if profiling:
             profile.disable()
         row = {**phases, "total": total, "bwd": total - sum(phases.values())}
-        if engine.coordinator is not None:
-            row.update({"c_" + k: v for k, v in engine.coordinator.stats.items()})
+        row.update({"c_" + k: v for k, v in engine.fetch_stats().items()})
         row["exposed"], row["comm"] = group.counter.wait_s, group.counter.comm_s
         rows.append(row)
     engine.close()

@@ -84,7 +84,7 @@ class Worker:
                              seed=spec["seed"], device=device, param_groups=spec.get("param_groups"),
                              scheduler=spec.get("scheduler"))
         return {"layout": self.engine.layout.to_dict(), "build_s": time.perf_counter() - t0,
-                "peak_rss_bytes": _peak_rss_bytes(), "state_dict_keys": list(self.engine.model.state_dict().keys())}
+                "peak_rss_bytes": _peak_rss_bytes(), "state_dict_keys": list(self.engine.model.state_dict(keep_vars=True).keys())}
 
     # --- training --------------------------------------------------------------------------
 
@@ -135,8 +135,7 @@ class Worker:
     def comm_report(self) -> Dict[str, Any]:
         report = self.group.counter.as_dict()
         report["rank"] = self.rank
-        if self.engine.coordinator is not None:
-            report.update(self.engine.coordinator.stats)
+        report.update(self.engine.fetch_stats())
         return report
 
     def memory_report(self) -> Dict[str, Any]:
