@@ -92,20 +92,22 @@ class Engine:
         self._hooks: list = []
 
         model, kept = self._build_model(model_fn, seed)
+        named = dict(self.model.named_parameters())
+        if hasattr(model_fn, "read_pieces"):
+            self._load_saved_weights(model_fn, named, kept)
         if self.dtype != torch.float32:
             self._cast_untrained(self.dtype)
-        named = dict(self.model.named_parameters())
         self._build_storage(named, kept)
         self.waiter = Waiter(group.blocking_waits)
+        self.coordinator: Optional[FetchCoordinator] = None
+        self.access: Optional[ParameterAccess] = None
+        if self.policy.keeps_param_shard:
+            self._build_coordinator(named)  # before any user callback may read a parameter
         self._build_optimizer(optimizer, named, param_groups, scheduler)
         self.reducer = GradBuckets(self.layout, group, self.grad, mode=self.policy.reduce.value,
                                    bucket_bytes=zero.bucket_bytes, dtype=self.reduce_dtype,
                                    unit_order=default_unit_order(self.layout))
         self.reducer.wait = self.waiter
-        self.coordinator: Optional[FetchCoordinator] = None
-        self.access: Optional[ParameterAccess] = None
-        if self.policy.keeps_param_shard:
-            self._build_coordinator(named)
         self._register_grad_hooks(named)
         self._build_activations()
         self.scaler = (LossScaler(zero.initial_loss_scale, zero.loss_scale_growth_factor,
@@ -134,6 +136,27 @@ class Engine:
             raise ValueError("the model has no trainable parameters (all have requires_grad=False): "
                              "there is nothing to train")
         return self.model, kept
+
+    def _load_saved_weights(self, model_fn, named: Dict[str, torch.nn.Parameter],
+                            kept: Optional[Dict[str, Tuple[int, int, torch.Tensor]]]) -> None:
+        """A ``model_fn`` that carries saved weights (``zeroray.hf.pretrained``): overwrite the
+        initial values with them, each rank reading only what it holds ([Note: the sliced loading
+        contract] in zeroray/hf): its slice of each trainable parameter when built sharded (into
+        the kept slices, in place), the whole parameter otherwise; replicated tensors whole."""
+        layout = self.layout
+        aliases = {n: list(layout.slots[n].aliases) for n in layout.param_names}
+        if kept is not None:
+            model_fn.read_pieces({n: kept[n][:2] for n in layout.param_names}, aliases,
+                                 out={n: kept[n][2] for n in layout.param_names})
+        else:
+            with torch.no_grad():
+                model_fn.read_pieces({n: (0, named[n].numel()) for n in layout.param_names}, aliases,
+                                     out={n: named[n].detach().view(-1) for n in layout.param_names})
+        state = self.model.state_dict(keep_vars=True)
+        replicated = [k for k in state if k not in layout.slots]
+        with torch.no_grad():
+            for name, value in model_fn.read_whole(replicated).items():
+                state[name].copy_(value.to(state[name].dtype))
 
     def _cast_untrained(self, dtype: torch.dtype) -> None:
         """Frozen parameters compute in the low precision too; buffers keep their dtype (a

@@ -62,6 +62,7 @@ def _run_one(rank, world, port, spec, out_file):
     pieces = {name: engine.master_piece(name) for name in engine.layout.param_names}
     torch.save({"losses": losses, "norms": norms, "skipped": skipped, "pieces": pieces,
                 "reports": reports, "memory": memory, "untrained": engine.untrained_state(),
+                "buffer_dtypes": {n: b.dtype for n, b in engine.model.named_buffers()},
                 "aliases": engine.layout.aliases(), "scale": engine.scaler.scale if engine.scaler else None},
                out_file)
     engine.close()
