@@ -18,9 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+
+
 def add_import_paths() -> None:
-    """Make ``import gpt`` (examples/) and ``import zeroray`` (the checkout) work."""
-    for path in (EXAMPLES, ROOT):
+    """Make ``import gpt`` (examples/), ``import bench_models`` and ``import zeroray`` (the checkout) work."""
+    for path in (BENCHMARKS, EXAMPLES, ROOT):
         if path not in sys.path:
             sys.path.insert(0, path)
 
@@ -40,6 +43,7 @@ class BenchSpec:
     warmup_steps: int = 3
     timed_steps: int = 10
     lr: float = 1e-3
+    model: str = "gpt"  # bench_models.MODELS
     # Spelled out so torch.optim.AdamW and zr.AdamW cannot drift apart (torch's default).
     weight_decay: float = 1e-2
     seed: int = 0
@@ -64,13 +68,30 @@ def gpt_config(spec: BenchSpec):
                      n_layers=spec.n_layers, n_heads=spec.n_heads)
 
 
+def model_fn(spec: BenchSpec):
+    """The row's ``() -> nn.Module`` (bench_models.build for ``spec.model``), picklable."""
+    import functools
+
+    add_import_paths()
+    import bench_models
+
+    return functools.partial(bench_models.build, spec.model, spec.vocab_size, spec.seq_len, spec.d_model,
+                             spec.n_layers, spec.n_heads)
+
+
 def build_model(spec: BenchSpec):
-    """The reference initialisation: ``torch.manual_seed(seed); GPT(cfg)``, as zr.Trainer does."""
+    """The reference initialisation: ``torch.manual_seed(seed); model_fn()``, as zr.Trainer does."""
     import torch
-    from gpt import GPT
 
     torch.manual_seed(spec.seed)
-    return GPT(gpt_config(spec))
+    return model_fn(spec)()
+
+
+def num_params(spec: BenchSpec) -> int:
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in model_fn(spec)().parameters())
 
 
 def global_batches(spec: BenchSpec) -> Iterator[Tuple[Any, Any]]:  # (inputs, targets)

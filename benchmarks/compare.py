@@ -1,9 +1,10 @@
 """zeroray side by side with the compute floor, torch DDP, torch FSDP2 and DeepSpeed.
 
-    python benchmarks/compare.py [--large] [--steps N] [--rounds R] [--workers 2]
+    python benchmarks/compare.py [--large] [--model gpt|mha|hf-gpt2] [--steps N] [--rounds R] [--workers 2]
         [--only floor,ddp,fsdp2,zr0,zr1,zr2,zr3,ds1,ds2,ds3] [--json out.json] [--zr-prefetch on|off]
 
-Every row trains the same GPT (examples/gpt.py) from the same initial weights on the same
+Every row trains the same model (``--model``: examples/gpt.py's GPT, or one zeroray did not
+write, see bench_models.py) from the same initial weights on the same
 real-text global batches, one row after another (never two at once), with one thread per
 worker. It prints median s/step, the ratio to the floor, peak RSS per worker and bytes
 communicated per worker per step, checks that the multi-worker rows agree on the loss, and
@@ -41,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--large", action="store_true", help="d_model 512, 8 layers, 8 heads (default: 256, 4, 4)")
+    p.add_argument("--model", choices=("gpt", "mha", "hf-gpt2"), default="gpt",
+                   help="gpt: examples/gpt.py; mha: built from nn.MultiheadAttention; hf-gpt2: transformers' "
+                        "GPT2LMHeadModel (default gpt)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per row (median reported; default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
     p.add_argument("--rounds", type=int, default=1,
@@ -82,7 +86,7 @@ def make_spec(args: argparse.Namespace) -> BenchSpec:
         raise SystemExit(f"--d-model {d_model} is not divisible by --heads {heads}")
     return BenchSpec(d_model=d_model, n_layers=args.layers or layers, n_heads=heads, seq_len=args.seq_len,
                      batch_per_worker=args.batch, num_workers=args.workers, threads=args.threads,
-                     warmup_steps=args.warmup, timed_steps=args.steps, lr=args.lr)
+                     warmup_steps=args.warmup, timed_steps=args.steps, lr=args.lr, model=args.model)
 
 
 # --------------------------------------------------------------------------- rows
@@ -328,15 +332,13 @@ def main(argv=None) -> int:
     # Every process this script starts (the spawned ranks, embedded Ray) inherits one thread.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(spec.threads)
-    from gpt import num_params
-
-    from common import gpt_config, limit_threads
+    from common import limit_threads, num_params
 
     limit_threads(spec.threads)  # the zeroray driver splits batches here; it must not spin up threads
 
     env = environment()
-    log(f"GPT d_model={spec.d_model} layers={spec.n_layers} heads={spec.n_heads} seq={spec.seq_len} "
-        f"({num_params(gpt_config(spec)) / 1e6:.2f}M params), {spec.num_workers} workers x "
+    log(f"{spec.model} d_model={spec.d_model} layers={spec.n_layers} heads={spec.n_heads} seq={spec.seq_len} "
+        f"({num_params(spec) / 1e6:.2f}M params), {spec.num_workers} workers x "
         f"{spec.batch_per_worker} seqs, {spec.threads} thread/worker, {spec.warmup_steps} warmup + "
         f"{spec.timed_steps} timed steps; load average {env['loadavg_start'][0]:.2f} on {env['cpu_count']} cores")
 
@@ -363,7 +365,7 @@ def main(argv=None) -> int:
 
     out = {
         "spec": spec.as_dict(),
-        "num_params": num_params(gpt_config(spec)),
+        "num_params": num_params(spec),
         "zr_prefetch": args.zr_prefetch,
         "environment": env,
         "rows": records,

@@ -107,7 +107,7 @@ def _rank_main(row: str, rank: int, world_size: int, port: int, spec: BenchSpec,
 def _train(model, optimizer, spec: BenchSpec, rank: int, *, step_fn: Optional[Callable] = None,
            counter: Optional[CommCounter] = None) -> dict:
     """The timed loop every peer shares. ``step_fn(batch) -> loss`` defaults to plain torch."""
-    from gpt import gpt_loss
+    from bench_models import lm_loss as gpt_loss
 
     def torch_step(batch):
         optimizer.zero_grad(set_to_none=True)
@@ -185,7 +185,9 @@ def run_fsdp2(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dic
     _init_group(rank, world_size, port)
     base_rss = current_rss_bytes()
     model = build_model(spec)
-    for block in model.blocks:
+    import bench_models
+
+    for block in bench_models.blocks(model):
         fully_shard(block)
     fully_shard(model)
     try:
@@ -204,7 +206,7 @@ def run_deepspeed(rank: int, world_size: int, port: int, spec: BenchSpec, extra:
     counter = CommCounter().install()
     import deepspeed
     import torch.distributed as dist
-    from gpt import gpt_loss
+    from bench_models import lm_loss as gpt_loss
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     base_rss = current_rss_bytes()

@@ -6,11 +6,10 @@ not (yet) provide leaves a blank in the table instead of failing the benchmark.
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, List, Optional
 
-from common import EXAMPLES, BenchSpec, StepClock, add_import_paths, global_batches, gpt_config
+from common import BENCHMARKS, EXAMPLES, BenchSpec, StepClock, add_import_paths, global_batches, model_fn
 
 
 class ZeroraySession:
@@ -21,8 +20,10 @@ class ZeroraySession:
         # Ray ships the driver's sys.path to local workers; PYTHONPATH covers workers started
         # by a raylet that inherited this environment. Both make `import gpt` work in actors.
         paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-        if EXAMPLES not in paths:
-            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [EXAMPLES, *paths] if p)
+        for path in (EXAMPLES, BENCHMARKS):
+            if path not in paths:
+                paths.insert(0, path)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         import ray
 
         import zeroray as zr
@@ -33,12 +34,12 @@ class ZeroraySession:
             _pickle_examples_by_value()  # a remote cluster's workers have no examples/ on disk
 
     def run(self, stage: int, spec: BenchSpec, *, prefetch: bool) -> dict:
-        import gpt
+        import bench_models
 
         zr = self.zr
         trainer = zr.Trainer(
-            functools.partial(gpt.GPT, gpt_config(spec)),
-            gpt.gpt_loss,
+            model_fn(spec),
+            bench_models.lm_loss,
             optimizer=zr.AdamW(lr=spec.lr, weight_decay=spec.weight_decay),
             zero=zr.ZeroConfig(stage=stage, prefetch=prefetch),
             scaling=zr.ScalingConfig(num_workers=spec.num_workers, threads_per_worker=spec.threads),
@@ -70,12 +71,14 @@ class ZeroraySession:
 
 
 def _pickle_examples_by_value() -> None:
+    import bench_models
     import gpt
 
     for name in ("cloudpickle", "ray.cloudpickle"):
         try:
             module = __import__(name, fromlist=["register_pickle_by_value"])
             module.register_pickle_by_value(gpt)
+            module.register_pickle_by_value(bench_models)
         except (ImportError, AttributeError, ValueError):
             pass
 
