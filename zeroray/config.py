@@ -39,13 +39,11 @@ class ZeroConfig:
     reduce_dtype: dtype gradients are reduced in (None: fp32).
     bucket_bytes: size of one coalescing bucket (C_B) for gradient reduction and gathers.
     prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use. About
-        one transformer block of a mid-size model: a window much larger than that queues big
-        gathers ahead of the gradient reduce-scatters (gloo runs collectives in issue order), one
-        smaller than the largest module leaves fetches on demand. A unit whose next use lies
-        inside the window stays gathered (see reuse_distance), so a model smaller than the window
-        is gathered once per step. Measured on this machine (benchmarks/compare.py, before that
-        rule): 16 MiB with 16 MiB buckets beat 4/8 MiB by 8-14% on the --large GPT and was within
-        noise on the default one.
+        one transformer block of a mid-size model: a window much larger than that gathers far
+        ahead of use and holds the memory, one smaller than the largest unit leaves fetches on
+        demand. A unit whose next use lies inside the window stays gathered (see
+        reuse_distance), so a model smaller than the window is gathered once per step. The
+        default's measurements are in benchmarks/README.md.
     max_live_bytes: stage 3, bound on gathered parameter bytes held at once (excluding the
         module being computed, which must always be gathered).
     reuse_distance: stage 3, a module whose parameters are needed again within this many
@@ -236,9 +234,8 @@ def _check_betas(cls: str, betas: Any) -> None:
 
 # The fused kernel updates the flat master in one pass with no temporaries. The default
 # (single-tensor) kernel allocates several master-sized temporaries per step, which on CPU
-# are fresh mmap'ed pages each time: 12.5M elements take 135 ms per step against 17 ms
-# fused (benchmarks/compare.py --large, one thread). Results differ from it by rounding
-# only (2.4e-7 after 20 steps).
+# are fresh mmap'ed pages each time, several times slower on a large master (measured in
+# benchmarks/README.md). Results differ from it by rounding only.
 _ADAM_KERNEL = {"fused": True}
 
 

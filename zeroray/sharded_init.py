@@ -73,7 +73,7 @@ Kept = Dict[str, Tuple[int, int, torch.Tensor]]
 
 def _owned_range(layout: FlatLayout, name: str, rank: int) -> Tuple[int, int]:
     """The flat elements ``[lo, hi)`` of parameter ``name`` that ``rank`` owns; (0, 0) if none."""
-    return layout.param_shard_view(torch.empty(0), name, rank)[1:]
+    return layout.param_shard_range(name, rank)[1:]
 
 
 class _HostRandom:

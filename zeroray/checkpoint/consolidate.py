@@ -34,11 +34,9 @@ def _param_pieces(layout: FlatLayout, name: str) -> Dict[int, List[Tuple[int, in
     first = slot.offset // unit.shard_numel
     last = (slot.offset + slot.numel - 1) // unit.shard_numel if slot.numel else first - 1
     for rank in range(first, last + 1):
-        u_lo, u_hi = unit.rank_range(rank)
-        lo, hi = max(u_lo, slot.offset), min(u_hi, slot.offset + slot.numel)
+        start, lo, hi = layout.param_shard_range(name, rank)
         if hi > lo:
-            start = unit.shard_offset + lo - u_lo
-            pieces[rank].append((start, start + hi - lo, lo - slot.offset))
+            pieces[rank].append((start, start + hi - lo, lo))
     return pieces
 
 

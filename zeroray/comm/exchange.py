@@ -1,9 +1,8 @@
 """Reduce-scatter and all-gather built from gloo's point-to-point sends and receives.
 
 [Note: gloo point-to-point]
-Gloo's own ``_reduce_scatter_base`` and ``_allgather_base`` are 1.1-8x slower than moving
-the same bytes with ``send``/``recv`` (2 ranks, 52 MB: reduce-scatter 117 ms vs 45 ms,
-all-gather 106 ms vs 39 ms; 3 ranks 176 vs 54 and 127 vs 42; ``python
+Gloo's own ``_reduce_scatter_base`` and ``_allgather_base`` are several times slower than
+moving the same bytes with ``send``/``recv`` (figures in benchmarks/README.md, from ``python
 benchmarks/collectives.py``). So on gloo both are a direct exchange:
 
 * all-gather: every rank sends its shard to each peer and receives each peer's shard
