@@ -317,19 +317,20 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - the step fails on every rank; see [Note: step outcome]
             failure = error
             self._abort(done, k)
-        sumsq = None
+        sumsq = loss_sum = None
         if failure is None:
             # Gradients were summed over ranks and micro-batches: average, and undo the loss scale.
             self.grad.mul_(1.0 / (self.world_size * k * scale))
             sumsq = self.optimizer.local_sumsq()
-        failed, norm = self._status(sumsq)
+            loss_sum = torch.stack([x.float() for x in losses]).sum()
+        failed, norm, loss_value = self._status(sumsq, loss_sum)
         if failed:
             self._drop_grads()
             if failure is not None:
                 raise failure
             raise PeerStepError(f"step {self.step_count}: not applied, because worker(s) {failed} raised an error "
                                 "during it (their own error says why)", failed)
-        loss_value = float(torch.stack([x.float() for x in losses]).sum()) / k
+        loss_value /= k
         skipped = False
         if not math.isfinite(norm):
             if self.scaler is None and not math.isfinite(loss_value):
@@ -399,30 +400,35 @@ class Engine:
             if coordinator is not None:
                 coordinator.end_micro_batch()
 
-    def _status(self, sumsq: Optional[torch.Tensor]) -> Tuple[List[int], float]:
-        """The step's status all-reduce: (ranks whose step failed, global gradient norm).
+    def _status(self, sumsq: Optional[torch.Tensor], loss_sum: Optional[torch.Tensor]
+                ) -> Tuple[List[int], float, float]:
+        """The step's status all-reduce: (ranks whose step failed, global gradient norm, this
+        rank's summed micro-batch losses).
 
         One float64 vector: [sum of squared gradient norms, then per rank: failed, left the
-        plan, events recorded, their digest]; each rank fills its own slots. ``sumsq`` is None
-        when this rank's step failed."""
+        plan, events recorded, their digest, its loss]; each rank fills its own slots.
+        ``sumsq`` and ``loss_sum`` are None when this rank's step failed. Reading it is the
+        step's one host synchronisation."""
         W = self.world_size
-        status = torch.zeros(1 + 4 * W, dtype=torch.float64, device=self.device)
+        status = torch.zeros(1 + 5 * W, dtype=torch.float64, device=self.device)
         # Stage 0 ranks all hold the same full reduced gradient: count its norm once.
         if sumsq is not None and (self.policy.keeps_param_shard or self.rank == 0):
             status[0] = sumsq.double()
         exited, length, dig = self.coordinator.status() if self.coordinator is not None else (0.0, 0.0, 0.0)
-        mine = [0.0 if sumsq is not None else 1.0, exited, length, dig]
-        status[1 + 4 * self.rank:5 + 4 * self.rank] = torch.tensor(mine, dtype=torch.float64)
+        mine = status[1 + 5 * self.rank:6 + 5 * self.rank]
+        mine[:4] = torch.tensor([0.0 if sumsq is not None else 1.0, exited, length, dig], dtype=torch.float64)
+        if loss_sum is not None:
+            mine[4] = loss_sum.double()
         if W > 1:
             self.waiter.until_complete(self.group.all_reduce(status, async_op=True, control=True))
         values = status.tolist()
-        per_rank = [values[1 + 4 * r:5 + 4 * r] for r in range(W)]
+        per_rank = [values[1 + 5 * r:6 + 5 * r] for r in range(W)]
         failed = [r for r in range(W) if per_rank[r][0]]
         if self.coordinator is not None:
             self.coordinator.end_step(failed=bool(failed), any_exit=any(p[1] for p in per_rank),
                                       agreed=len({(p[2], p[3]) for p in per_rank}) == 1)
         total = values[0]
-        return failed, (math.sqrt(total) if math.isfinite(total) else float("inf"))
+        return failed, (math.sqrt(total) if math.isfinite(total) else float("inf")), per_rank[self.rank][4]
 
     def _drop_grads(self) -> None:
         self.grad.zero_()
