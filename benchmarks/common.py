@@ -166,7 +166,7 @@ def median(xs: List[float]) -> float:
 
 # [Note: bytes per worker]
 # The table reports bytes *sent* by one worker in one step, under the ring algorithms the
-# paper's volume formulas assume (DESIGN.md §1): for N bytes of payload over W workers an
+# paper's volume formulas assume (docs/architecture.md): for N bytes of payload over W workers an
 # all-reduce sends 2(W-1)/W·N, an all-gather (N = the gathered output) and a reduce-scatter
 # (N = the unreduced input) each send (W-1)/W·N, a broadcast of N bytes costs the root
 # (W-1)/W·N in a pipelined ring. The torch peers count the payload of every collective they
