@@ -1,4 +1,4 @@
-"""The zeroray rows: stages 0-3 through the public API only (DESIGN.md §2).
+"""The zeroray rows: stages 0-3 through the public API only (zr.Trainer, as a user would).
 
 Everything here goes through ``zr.Trainer``; each stage gets a fresh trainer on the same
 global batches as the torch peers. The reports are read defensively: a key the runtime does
