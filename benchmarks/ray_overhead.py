@@ -15,6 +15,12 @@ batch reach the actor) -> engine start (waiting for the engine) -> engine end (t
 own step) -> actor end -> driver receive (the result comes back). All are ``time.time()``
 on one machine, so the hops of different processes compare.
 
+For ``fit`` it prints how long the worker sat idle between two steps (the pipeline's bubble)
+and the engine's own time per step inside the actor, and for ``step`` and ``fit`` the CPU
+time per step of the driver and of the worker actor: on a machine with fewer free cores than
+processes, the driver's and Ray's own work competes with the engine for a core, which shows as
+a slower engine, not as a gap between steps.
+
 Figures are medians over the timed steps of every round; the ratios are also given per
 round. Machine noise moves them: prefer ``--rounds 3`` and read the ratios, not the seconds.
 
@@ -38,8 +44,6 @@ sys.path[:0] = [os.path.join(ROOT, "examples"), ROOT]
 import torch  # noqa: E402
 
 import gpt  # noqa: E402
-import ray.cloudpickle  # noqa: E402
-ray.cloudpickle.register_pickle_by_value(gpt)  # TEMP until model code ships itself
 import zeroray as zr  # noqa: E402
 from zeroray.comm.group import SoloGroup  # noqa: E402
 from zeroray.engine import Engine  # noqa: E402
@@ -80,6 +84,28 @@ def time_engine(engine: Engine, batches, device: str) -> list:
     return times
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process on this machine has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds per step of the driver (this process) and of the worker actor, over a block of steps."""
+
+    def __init__(self, actor_pid: int) -> None:
+        self.actor_pid = actor_pid
+        self.per_step = {"driver": [], "actor": []}
+
+    def measure(self, run, steps: int):
+        d0, a0 = time.process_time(), process_cpu_s(self.actor_pid)
+        out = run()
+        self.per_step["driver"].append((time.process_time() - d0) / steps)
+        self.per_step["actor"].append((process_cpu_s(self.actor_pid) - a0) / steps)
+        return out
+
+
 def time_step(trainer, batches) -> tuple:
     times, timelines = [], []
     for batch in batches:
@@ -91,11 +117,38 @@ def time_step(trainer, batches) -> tuple:
     return times, timelines
 
 
-def time_fit(trainer, batches) -> float:
+class Sleeper:
+    """A bare actor whose call sleeps as long as a step: Ray's own round trip, nothing of zeroray's."""
+
+    def nap(self, seconds: float, batch) -> dict:
+        start = time.time()
+        time.sleep(seconds)
+        return {"actor_start": start, "actor_end": time.time()}
+
+
+def ray_floor(step_s: float, batches, rounds: int = 20) -> tuple:
+    """Median (dispatch, return) of a bare actor call that carries a batch and sleeps ``step_s``."""
+    import ray
+
+    actor = ray.remote(Sleeper).options(num_cpus=0).remote()
+    ray.get(actor.nap.remote(0.0, None))
+    dispatch, back = [], []
+    for batch in batches[:rounds]:
+        arg = tuple(t.numpy() for t in batch)
+        submit = time.time()
+        hops = ray.get(actor.nap.remote(step_s, arg))
+        receive = time.time()
+        dispatch.append(hops["actor_start"] - submit)
+        back.append(receive - hops["actor_end"])
+    ray.kill(actor)
+    return statistics.median(dispatch), statistics.median(back)
+
+
+def time_fit(trainer, batches) -> tuple:
     t0 = time.perf_counter()
     results = trainer.fit(batches, num_steps=len(batches), skip=0)
     assert len(results) == len(batches)
-    return (time.perf_counter() - t0) / len(batches)
+    return (time.perf_counter() - t0) / len(batches), [r.timeline for r in results]
 
 
 def main(argv=None) -> int:
@@ -126,19 +179,21 @@ def main(argv=None) -> int:
           f"{'ray.data' in sys.modules}", flush=True)
 
     pooled = {"engine": [], "step": [], "fit": []}
-    timelines = []
+    cpu = {"step": CpuMeter(trainer.workers[0]["pid"]), "fit": CpuMeter(trainer.workers[0]["pid"])}
+    timelines, fit_timelines = [], []
     print(f"{'round':>5} {'engine ms':>10} {'step ms':>9} {'fit ms':>8} {'step-engine ms':>15} "
           f"{'step/engine':>12} {'fit/engine':>11}")
     for r in range(args.rounds):
         time_engine(engine, batches[:args.warmup], args.device)
         e = time_engine(engine, batches[args.warmup:], args.device)
         time_step(trainer, batches[:args.warmup])
-        s, tl = time_step(trainer, batches[args.warmup:])
-        f = time_fit(trainer, batches[args.warmup:])
+        s, tl = cpu["step"].measure(lambda: time_step(trainer, batches[args.warmup:]), args.steps)
+        f, ftl = cpu["fit"].measure(lambda: time_fit(trainer, batches[args.warmup:]), args.steps)
         pooled["engine"] += e
         pooled["step"] += s
         pooled["fit"].append(f)
         timelines += tl
+        fit_timelines += ftl
         me, ms = statistics.median(e), statistics.median(s)
         print(f"{r:5d} {me * 1e3:10.2f} {ms * 1e3:9.2f} {f * 1e3:8.2f} {(ms - me) * 1e3:15.2f} "
               f"{ms / me:12.3f} {f / me:11.3f}", flush=True)
@@ -150,6 +205,20 @@ def main(argv=None) -> int:
         print(f"  {name:9} {a} -> {b}: {statistics.median(t[b] - t[a] for t in timelines) * 1e3:8.3f}")
     print(f"  {'total':9} submit -> receive: "
           f"{statistics.median(t['receive'] - t['submit'] for t in timelines) * 1e3:8.3f}")
+    floor_in, floor_out = ray_floor(me, batches)
+    print(f"  Ray's own floor, a bare actor call that sleeps {me * 1e3:.1f} ms: dispatch {floor_in * 1e3:.3f}, "
+          f"return {floor_out * 1e3:.3f}")
+    engine_fit = statistics.median(t["engine_end"] - t["engine_start"] for t in fit_timelines)
+    gaps = [b["engine_start"] - a["engine_end"] for a, b in zip(fit_timelines, fit_timelines[1:])
+            if b["submit"] < a["engine_end"]]  # consecutive steps of one fit
+    print(f"in fit (steps pipelined): engine {engine_fit * 1e3:.3f} ms per step, the worker idle between "
+          f"two steps {statistics.median(gaps) * 1e3:.3f} ms (median), "
+          f"the next call queued before the current step ended in {len(gaps)} of {len(fit_timelines) - 1}")
+    print(f"  fit per step / the engine's own time in fit: {mf / engine_fit:.3f} (the pipeline's bubble)")
+    for row in ("step", "fit"):
+        per = cpu[row].per_step
+        print(f"CPU per step in {row}: driver {statistics.median(per['driver']) * 1e3:.2f} ms, worker actor "
+              f"{statistics.median(per['actor']) * 1e3:.2f} ms (engine in-process: {me * 1e3:.2f} ms wall)")
     print(f"ray.data imported by the end: {'ray.data' in sys.modules}")
     engine.close()
     trainer.shutdown()

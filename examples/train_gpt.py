@@ -7,20 +7,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-import ray
-import ray.cloudpickle
+import gpt  # beside this script: zr.Trainer sends its code to the workers, wherever they run
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpt  # noqa: E402  (examples/ is not a package)
-
-import zeroray as zr  # noqa: E402
-
-# The workers may not have examples/ on their path (a cluster, a job): ship the model code by value.
-ray.cloudpickle.register_pickle_by_value(gpt)
+import zeroray as zr
 
 
 def parse_args(argv=None):

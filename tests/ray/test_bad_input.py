@@ -12,7 +12,8 @@ import zeroray as zr
 from tests.models import VOCAB, lm_loss, make_batches, parity_model
 from tests.ray.test_shutdown import assert_released, live_actors, live_placement_groups
 from zeroray.engine import StepError
-from zeroray.runtime.worker_group import WorkerSetupError
+from zeroray.runtime.failures import WorkerSetupError
+from tests.ray.test_worker_errors import STEP_OUTCOME
 
 TABLE = []
 # A worker whose share of the batch is made only of one of these tokens makes picky_loss misbehave.
@@ -20,11 +21,9 @@ NAN_MARK, VECTOR_MARK, RAISE_MARK = VOCAB - 1, VOCAB - 2, VOCAB - 3
 
 
 def _record(what, error):
-    # A worker's error (RayTaskError) carries its traceback; the table shows the error itself.
-    cause = getattr(error, "cause", None)
-    shown = cause if cause is not None else error
+    # A worker's error arrives as itself, its traceback as the cause; the table shows the error.
     notes = " ".join(getattr(error, "__notes__", []))
-    TABLE.append((what, type(shown).__name__, str(shown).strip().splitlines()[0] + (f" + note: {notes}" if notes else "")))
+    TABLE.append((what, type(error).__name__, str(error).strip().splitlines()[0] + (f" + note: {notes}" if notes else "")))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -139,11 +138,17 @@ def test_bad_batches_and_bad_losses(ray_local):
         _record("loss_fn returning a per-row loss of shape (6,)", info.value)
         assert trainer.step(batches[0]).step == 3
 
-        # An error on one worker only: the other waits in a collective for it, so the group is
-        # out of step; the user's error comes back at once and the group is shut down.
+        # An error on one worker only. With the step outcome protocol every worker learns of it and
+        # the group goes on (test_worker_errors.py); before it, the other worker waits in a
+        # collective for it, so the user's error comes back at once and the group is shut down.
         with pytest.raises(KeyError, match="labels") as info:
             trainer.step(_marked(RAISE_MARK, rows=slice(6, None)))
-        assert any("worker(s) [1] raised during step 3 while worker(s) [0] waited" in n for n in info.value.__notes__)
+        assert any(n.startswith("zeroray: raised on worker 1 (pid ") for n in info.value.__notes__)
         _record("loss_fn raising KeyError on worker 1 only", info.value)
-        with pytest.raises(RuntimeError, match="this worker group failed and was shut down"):
-            trainer.step(batches[0])
+        if STEP_OUTCOME:
+            assert trainer.step(batches[0]).step == 4
+        else:
+            assert any("worker(s) [1] raised during step 3 while worker(s) [0] waited" in n
+                       for n in info.value.__notes__)
+            with pytest.raises(RuntimeError, match="this worker group failed and was shut down"):
+                trainer.step(batches[0])

@@ -1,12 +1,19 @@
 """Issue 6 through the Trainer: save at 2 workers, restore at 1, 3, 4 workers and other stages,
-resize in place 2 -> 3 -> 1; each run equals uninterrupted single-process training within 1e-5."""
+resize in place 2 -> 3 -> 1; each run equals uninterrupted single-process training within 1e-5.
+A resize moves only the slices each new worker owns ([Note: resize transfer]), and one that the
+cluster cannot place leaves the Trainer at its old size."""
 import os
+import pickle
 
 import pytest
 import torch
 
 import zeroray as zr
-from zeroray.checkpoint import CheckpointError, latest_checkpoint
+from zeroray.arena import FlatLayout
+from zeroray.checkpoint import CheckpointError, latest_checkpoint, reshard_in_memory
+from zeroray.runtime.controller import TrainerState
+from zeroray.runtime.failures import PlacementError
+from zeroray.runtime.state_transfer import PieceAssembler, cut_pieces
 from tests.models import lm_loss, make_batches, parity_model, reference_run
 
 STEPS, SPLIT = 8, 4
@@ -67,3 +74,60 @@ def test_resize_in_place(ray_local, reference):
 def test_restore_from_a_directory_that_is_not_a_checkpoint(ray_local, tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint"):
         zr.Trainer.restore(str(tmp_path), parity_model, lm_loss)
+
+
+@pytest.mark.parametrize("old_world, new_world, stage0", [(2, 3, False), (3, 1, False), (1, 4, False),
+                                                          (2, 3, True)])
+def test_resize_pieces_assemble_what_reshard_in_memory_gives(old_world, new_world, stage0):
+    """No Ray: the pieces each old rank cuts for each new rank ([Note: resize transfer]) assemble, one
+    at a time, into exactly reshard_in_memory's state; stage 0 wants every shard (a world-1 layout)."""
+    model = parity_model()
+    old = FlatLayout.from_module(model, old_world)
+    new = FlatLayout.from_module(model, new_world)
+    g = torch.Generator().manual_seed(0)
+    states = [{"master": torch.randn(old.shard_numel, generator=g),
+               "optim.exp_avg": torch.randn(old.shard_numel, generator=g),
+               "optim.state_steps": torch.tensor([float(r)])} for r in range(old_world)]
+    scalars = [{"step": 7, "rank": r} for r in range(old_world)]
+    targets = [(new.with_world_size(1).to_dict(), 0) if stage0 else (new.to_dict(), j) for j in range(new_world)]
+    pieces = [cut_pieces(old, r, states[r], scalars[r], targets) for r in range(old_world)]
+    for j, (layout_dict, rank) in enumerate(targets):
+        target = FlatLayout.from_dict(layout_dict)
+        assembler = PieceAssembler(target)
+        for r in range(old_world):
+            assembler.add(pickle.loads(pickle.dumps(pieces[r][j], protocol=5)))  # as Ray moves it
+        tensors, got_scalars = assembler.state()
+        want = reshard_in_memory(old, [{**s, "scalars": sc} for s, sc in zip(states, scalars)], target, rank)
+        assert got_scalars == want.pop("scalars")
+        assert sorted(tensors) == sorted(want)
+        for key, value in want.items():
+            assert torch.equal(tensors[key], value), (j, key)
+        # Each old rank sent new rank j only the slices it owns (plus, from one rank, the per-rank values).
+        sent = sum(p[j]["tensors"]["master"].size for p in pieces)
+        assert sent == sum(u.rank_range(rank)[1] - u.rank_range(rank)[0] for u in target.units)
+
+
+def test_resize_that_cannot_be_placed_keeps_the_old_workers(ray_local, reference):
+    """The new workers are placed before the old ones are released: a resize the cluster cannot hold
+    next to the old workers fails fast, and the Trainer goes on at its old size."""
+    batches, ref = reference
+    with zr.Trainer(parity_model, lm_loss, optimizer=zr.AdamW(**OPT), zero=zr.ZeroConfig(stage=2),
+                    scaling=zr.ScalingConfig(num_workers=2, placement_timeout_s=2)) as trainer:
+        results = [trainer.step(b) for b in batches[:3]]
+        pids = [w["pid"] for w in trainer.workers]
+        # 7 workers of 1 CPU fit the 8-CPU test cluster alone, but not next to the 2 old ones.
+        with pytest.raises(PlacementError) as info:
+            trainer.resize(7)
+        message = str(info.value)
+        print(f"\n  {message}")
+        assert message.startswith("resize(7) did not happen, and the Trainer goes on with its 2 worker(s), "
+                                  "unchanged: could not place 7 worker(s)")
+        assert "must hold both at once" in message
+        assert trainer.num_workers == 2 and [w["pid"] for w in trainer.workers] == pids
+        assert trainer.state is TrainerState.IDLE
+        results += [trainer.step(b) for b in batches[3:5]]
+        trainer.resize(3)  # this one fits: 2 + 3 workers
+        assert trainer.num_workers == 3 and not set(pids) & {w["pid"] for w in trainer.workers}
+        results += [trainer.step(b) for b in batches[5:]]
+        worst = check(trainer, results, ref, 0)
+        print(f"  failed resize to 7, resize 2 -> 3 at stage 2: max param diff {worst:.2e}")

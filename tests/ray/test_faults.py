@@ -7,11 +7,14 @@ the final parameters equal those of uninterrupted training (plain PyTorch on the
 which test_trainer_parity shows equals an uninterrupted zeroray run) within 1e-5.
 
 Every fault lands at a point the test controls, never on a timer racing the steps: the
-ray.kill test waits until the actor is dead before fit dispatches the next step, and the
-SIGKILL test kills worker 1 while it is blocked inside loss_fn of a known step, after the
-worker said so, so the machine's load cannot change which step fails.
+ray.kill test waits until the actor is dead before fit dispatches the next step (the step
+already in flight may end before or after the kill; either way fit resumes from the same
+checkpoint), and the SIGKILL test kills worker 1 while it is blocked inside loss_fn of the
+step on a known batch, after the worker said so, so neither the machine's load nor fit's
+pipelining ([Note: pipelined steps]) can change which step fails.
 """
 import functools
+import hashlib
 import os
 import signal
 import threading
@@ -24,7 +27,7 @@ import torch
 import zeroray as zr
 from tests.models import VOCAB, lm_loss, make_batches, parity_model, reference_run
 from tests.ray.test_shutdown import assert_released, group_ids, live_placement_groups
-from zeroray.runtime.worker_group import CollectiveTimeoutError, PlacementError
+from zeroray.runtime.failures import CollectiveTimeoutError, PlacementError
 
 STEPS = 8
 KILL_AT = 5        # SIGKILL test: worker 1 dies inside the step on batch 5 (five steps done, checkpoint at 4)
@@ -47,13 +50,18 @@ def reference():
     return batches, reference_run(parity_model, lm_loss, make_opt, batches)[2]
 
 
+def fingerprint(idx):
+    return hashlib.sha1(idx.contiguous().numpy().tobytes()).hexdigest()
+
+
 def gated_loss(gate_dir, model, batch):
-    """slow_rank_loss, except that the process named in ``gate_dir/gate`` blocks here (mid-step) once,
-    after saying so in ``gate_dir/blocked``, until the test kills it."""
+    """slow_rank_loss, except that the process named in ``gate_dir/gate`` blocks here (mid-step) on
+    the batch named there (its fingerprint), after saying so in ``gate_dir/blocked``, until the test
+    kills it. Naming the batch makes the step deterministic although fit sends the next step early."""
     gate = os.path.join(gate_dir, "gate")
-    if os.path.exists(gate) and open(gate).read().strip() == str(os.getpid()):
+    if os.path.exists(gate) and open(gate).read().split() == [str(os.getpid()), fingerprint(batch[0])]:
         with open(os.path.join(gate_dir, "blocked.tmp"), "w") as f:
-            f.write(str(os.getpid()))
+            f.write(fingerprint(batch[0]))
         os.replace(os.path.join(gate_dir, "blocked.tmp"), os.path.join(gate_dir, "blocked"))
         time.sleep(300)  # the test SIGKILLs this process long before
     return slow_rank_loss(model, batch)
@@ -140,13 +148,13 @@ def test_ray_kill_mid_fit_recovers_then_max_failures_raises(ray_local, reference
         # not from the position the step-2 checkpoint recorded in the first fit's data.
         trainer.fit(batches[:EVERY], progress=False)
         old_ids, old_pids = group_ids(trainer), {w["pid"] for w in trainer.workers}
-        data = KillingData(batches[EVERY:], 1, lambda: _kill_actor(trainer._group.actors[1]))
+        data = KillingData(batches[EVERY:], 1, lambda: _kill_actor(trainer.controller.group.actors[1]))
         results = trainer.fit(data, skip=0, progress=False)
         _check_recovered(trainer, data, results, ref_state, old_ids, old_pids, resumed_steps={EVERY})
 
         # With no failures left to spend, the next death ends fit with the original cause.
         trainer.failure = zr.FailureConfig(max_failures=0)
-        more = KillingData(make_batches(3, seed=7), 1, lambda: _kill_actor(trainer._group.actors[0]))
+        more = KillingData(make_batches(3, seed=7), 1, lambda: _kill_actor(trainer.controller.group.actors[0]))
         with pytest.raises(RuntimeError, match=r"max_failures=0.*original cause: WorkerDiedError.*died") as info:
             trainer.fit(more, skip=0, progress=False)
         print(f"  after max_failures: {str(info.value)[:300]}")
@@ -162,15 +170,17 @@ def test_sigkill_mid_fit_recovers_then_hung_collective_raises(ray_local, referen
         old_ids, old_pids = group_ids(trainer), {w["pid"] for w in trainer.workers}
         pid = trainer.workers[1]["pid"]
         landed = {}
+        target = fingerprint(batches[KILL_AT][0][batches[KILL_AT][0].shape[0] // 2:])  # worker 1's rows
 
         def kill_mid_step():
-            # Armed as fit fetches batch KILL_AT; worker 1 blocks in that step's loss_fn, says so,
-            # and only then is it killed: the kill lands inside that step on any machine.
-            (gate_dir / "gate").write_text(str(pid))
+            # Armed as fit fetches batch KILL_AT, before its step is sent; worker 1 blocks in the
+            # loss_fn of the step on that batch (its half of it), says so, and only then is it
+            # killed: the kill lands inside that step on any machine.
+            (gate_dir / "gate").write_text(f"{pid} {target}")
 
             def killer():
                 _wait_for((gate_dir / "blocked").exists, "worker 1 to block in loss_fn")
-                landed["steps_done"] = trainer.step_count
+                landed["batch"] = (gate_dir / "blocked").read_text()
                 os.kill(pid, signal.SIGKILL)
                 _wait_for(lambda: _pid_gone(pid), "the killed worker's process to exit")
                 (gate_dir / "gate").unlink()
@@ -180,7 +190,7 @@ def test_sigkill_mid_fit_recovers_then_hung_collective_raises(ray_local, referen
         results = trainer.fit(data, progress=False)
         # The kill landed inside step KILL_AT + 1 (KILL_AT steps were done), so fit resumed from
         # the checkpoint of step 4, the last one before it.
-        assert landed == {"steps_done": KILL_AT}, landed
+        assert landed == {"batch": target}, landed
         _check_recovered(trainer, data, results, ref_state, old_ids, old_pids, resumed_steps={4})
 
         # No hangs: worker 1 never reaches the step's first collective; worker 0 gives up after

@@ -93,6 +93,6 @@ def test_importing_ipykernel_is_not_a_notebook():
 
 def test_zeroray_logger():
     assert progress_mod.log is logging.getLogger("zeroray")
-    from zeroray.runtime import fit_loop, trainer
+    from zeroray.runtime import controller, fit_loop
 
-    assert fit_loop.log is trainer.log is progress_mod.log
+    assert fit_loop.log is controller.log is progress_mod.log

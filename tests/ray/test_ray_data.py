@@ -1,4 +1,5 @@
-"""fit on a ray.data.Dataset: every worker pulls its own split, and a step means what `step` means.
+"""fit on a ray.data.Dataset: every worker pulls its own split, a step means what `step` means, and
+fit keeps the next step in flight as it does for a list of batches.
 
 The loss function records, per worker process, the row ids of every local batch it trained on;
 the global batches rebuilt from those records (rank 0's rows, then rank 1's) are replayed through
@@ -7,6 +8,7 @@ the global batches rebuilt from those records (rank 0's rows, then rank 1's) are
 import json
 import logging
 import os
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from zeroray.runtime.data import to_tensors
 
 ROWS, GLOBAL, WORKERS = 48, 8, 2
 STEPS = ROWS // GLOBAL  # equal splits of 24 rows, local batches of 4: 6 steps in one pass
+STEP_S = 0.2
 
 
 def test_columns_become_tensors():
@@ -40,6 +43,7 @@ def _id_logging_loss(log_dir):
         # One line per local batch, in step order, in a file named after the worker's pid.
         with open(os.path.join(log_dir, f"{os.getpid()}.ids"), "a") as f:
             f.write(" ".join(str(i) for i in batch["id"].tolist()) + "\n")
+        time.sleep(STEP_S)  # long enough that the next step's call surely arrives during this one
         return lm_loss(model, (batch["idx"], batch["tgt"]))
     return loss
 
@@ -77,6 +81,11 @@ def test_fit_on_dataset_equals_step_on_the_same_rows(ray_local, tmp_path, caplog
         rest = trainer.fit(dataset, batch_size=GLOBAL)
         assert (len(first), len(rest)) == (2, STEPS - 2)
         assert trainer.step_count == STEPS and trainer.data_position == STEPS
+        # The workers pull their batches, and fit still keeps the next step in flight: its call
+        # was on the worker before the current step's engine work ended ([Note: pipelined steps]).
+        for results in (first, rest):
+            for now, after in zip(results, results[1:]):
+                assert after.timeline["actor_start"] < now.timeline["engine_end"], (now.timeline, after.timeline)
         state = trainer.state_dict()
         pids = [w["pid"] for w in trainer.workers]
 

@@ -25,7 +25,7 @@ def live_placement_groups():
 
 
 def group_ids(trainer):
-    group = trainer._group
+    group = trainer.controller.group
     return {a._actor_id.hex() for a in group.actors}, {group.pg.id.hex()}
 
 

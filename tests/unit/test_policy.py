@@ -3,10 +3,11 @@ import pytest
 import ray.exceptions as rex
 
 from zeroray.engine import StepError
+from zeroray.errors import CollectiveError, PeerStepError
+from zeroray.runtime.failures import (CollectiveTimeoutError, ErrorKind, WorkerDiedError, WorkerError,
+                                      WorkerGroupError, WorkerTraceback, classify_error, is_worker_failure,
+                                      worker_error)
 from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
-from zeroray.runtime.trainer import _is_worker_failure
-from zeroray.runtime.worker_group import (CollectiveTimeoutError, WorkerDiedError, WorkerGroupError,
-                                          classify_error)
 
 
 def _task_error(cause: BaseException) -> BaseException:
@@ -56,17 +57,36 @@ def test_user_errors_are_never_retried_nor_counted():
     (_task_error(ValueError("shapes do not match")), "user"),
     (ValueError("the global batch has 13 rows"), "user"),
     (RuntimeError("some bug"), "user"),
+    (_task_error(PeerStepError("step 3 was not applied: worker 1 failed", [1])), "peer_step"),
+    (_task_error(CollectiveError("all_gather: the peer closed the connection")), "peer"),
+    (_task_error(CollectiveError("all_gather timed out after 5 s")), "timeout"),
 ])
 def test_classify_error(error, kind):
-    assert classify_error(error) == kind
-    assert _is_worker_failure(error) == (kind != "user")
+    assert classify_error(error) is ErrorKind(kind)
+    assert is_worker_failure(error) == (kind in ("died", "peer", "timeout"))
 
 
 def test_classify_looks_at_the_worker_error_not_its_traceback():
     # User code whose traceback mentions a peer, but whose own error is a plain bug.
     error = rex.RayTaskError("Worker.train_step", "File x, in connect_to_peer\n  Connection reset by peer?\n"
                              "KeyError: 'labels'", KeyError("labels")).as_instanceof_cause()
-    assert classify_error(error) == "user"
+    assert classify_error(error) is ErrorKind.USER
+
+
+def test_worker_error_is_the_workers_own_exception_message_first():
+    error = rex.RayTaskError("Worker.train_step", "Traceback (most recent call last):\n  File \"loss.py\", "
+                             "line 3, in loss_fn\nKeyError: 'labels'", KeyError("labels")).as_instanceof_cause()
+    out = worker_error(error, "worker 1 (pid 7 on 10.0.0.2) during step 3")
+    assert type(out) is KeyError and str(out) == "'labels'"
+    assert out.__notes__ == ["zeroray: raised on worker 1 (pid 7 on 10.0.0.2) during step 3; the worker's "
+                             "traceback is printed above"]
+    assert isinstance(out.__cause__, WorkerTraceback) and "in loss_fn" in str(out.__cause__)
+    assert str(out.__cause__).startswith("worker 1 (pid 7 on 10.0.0.2) during step 3:")
+    # An exception that did not pickle arrives as Ray's RayError: a WorkerError with its last line.
+    unpicklable = rex.RayTaskError("Worker.train_step", "Traceback ...\nLockError: cannot pickle",
+                                   rex.RayError("Exception x.LockError isn't serializable"))
+    out = worker_error(unpicklable, "worker 0 (pid 5 on 10.0.0.1) during step 0")
+    assert type(out) is WorkerError and "isn't serializable" in str(out) and "worker 0" in str(out)
 
 
 def test_scaling_policy_full_size_when_it_fits():

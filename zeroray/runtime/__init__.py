@@ -1,0 +1,1 @@
+"""Everything that imports ray: the worker actor, its group, the driver's controller and ``zr.Trainer``."""

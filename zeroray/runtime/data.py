@@ -35,19 +35,22 @@ One ``fit`` call is one pass at most: it stops when the splits run out.
 """
 from __future__ import annotations
 
+import sys
 import uuid
-from typing import Any, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:  # the worker side of this module must not import the driver's
+    from zeroray.runtime.controller import Controller
+    from zeroray.runtime.step import PendingStep
+
 
 def is_ray_dataset(data: Any) -> bool:
-    try:
-        import ray.data
-    except ImportError:
-        return False
-    return isinstance(data, ray.data.Dataset)
+    """Whether ``data`` is a ``ray.data.Dataset``, without importing ray.data (seconds) for a list."""
+    ray_data = sys.modules.get("ray.data")  # a Dataset exists only once ray.data was imported
+    return ray_data is not None and isinstance(data, ray_data.Dataset)
 
 
 # --- worker side ---------------------------------------------------------------------------
@@ -76,11 +79,13 @@ def to_tensors(columns: Dict[str, Any]) -> Dict[str, torch.Tensor]:
 
 
 class LocalFeed:
-    """One worker's split, one local batch ahead.
+    """One worker's split, read in local batches.
 
-    The look-ahead lets ``train_next`` report, with the result of a step, whether the worker
-    has another batch: the driver then never starts a step that some rank cannot join (a
-    rank without a batch would leave the others waiting in a collective).
+    At attach it reads the first batch ahead, so the driver learns the tokens per step before
+    the first step (progress's tokens/s); after that each ``take`` reads its own batch (Ray
+    Data's ``prefetch_batches`` already reads ahead in the background). Every split holds the
+    same number of batches ([Note: Ray Data batches]), so every worker's ``take`` runs out on
+    the same step and the driver's pipelined call behind the last step finds nothing to do.
     """
 
     def __init__(self, split: Any, batch_size: int, skip: int, feed_id: str) -> None:
@@ -90,52 +95,28 @@ class LocalFeed:
         for _ in range(skip):  # see [Note: Ray Data replay]
             if next(self._batches, None) is None:
                 break
-        self._next: Optional[Dict[str, torch.Tensor]] = None
-        self.advance()
+        self._ahead: Optional[Dict[str, torch.Tensor]] = self._read()
 
-    def advance(self) -> None:
+    def _read(self) -> Optional[Dict[str, torch.Tensor]]:
         raw = next(self._batches, None)
-        self._next = None if raw is None else to_tensors(raw)
+        return None if raw is None else to_tensors(raw)
 
-    def has_next(self) -> bool:
-        return self._next is not None
-
-    def take(self) -> Dict[str, torch.Tensor]:
-        if self._next is None:
-            raise RuntimeError("this worker's Ray Data split has no batch left (the driver should have stopped)")
-        batch, self._next = self._next, None
-        return batch
+    def take(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The next local batch; None when the split has run out."""
+        if self._ahead is not None:
+            batch, self._ahead = self._ahead, None
+            return batch
+        return self._read()
 
     def peek_info(self) -> Dict[str, Any]:
-        """Rows and tokens of the next batch: tokens is the largest column's element count."""
-        if self._next is None:
+        """Rows and tokens of the first batch: tokens is the largest column's element count."""
+        if self._ahead is None:
             return {"has_next": False, "rows": 0, "tokens": 0}
-        sizes = [t.numel() for t in self._next.values()]
-        return {"has_next": True, "rows": next(iter(self._next.values())).shape[0], "tokens": max(sizes)}
+        sizes = [t.numel() for t in self._ahead.values()]
+        return {"has_next": True, "rows": next(iter(self._ahead.values())).shape[0], "tokens": max(sizes)}
 
 
 # --- driver side ---------------------------------------------------------------------------
-
-
-class WorkerStep:
-    """One step whose batch is already on the workers (what fit's loop gets instead of a batch).
-
-    ``run()`` tells every worker to train on its next local batch and returns the StepResult.
-    """
-
-    def __init__(self, trainer: Any, group: Any, num_tokens: int) -> None:
-        self.trainer, self.group, self.num_tokens = trainer, group, num_tokens
-        self.has_next = False
-
-    def run(self) -> Any:
-        trainer = self.trainer
-        refs = self.group.call("train_next")
-        outs = self.group.wait_all(refs, trainer.zero.collective_timeout_s + 60, f"step {trainer.step_count}")
-        self.has_next = all(o["has_next"] for o in outs)
-        if self.has_next != any(o["has_next"] for o in outs):  # equal=True makes this impossible
-            raise RuntimeError("the workers' Ray Data splits ran out on different steps: "
-                               f"{[o['has_next'] for o in outs]}")
-        return trainer._record_step(outs)
 
 
 def local_batch_size(global_batch_size: Any, num_workers: int, grad_accum_steps: int) -> int:
@@ -149,34 +130,34 @@ def local_batch_size(global_batch_size: Any, num_workers: int, grad_accum_steps:
     return global_batch_size // num_workers
 
 
-def worker_steps(trainer: Any, dataset: Any, global_batch_size: Optional[int], skip: int) -> Iterator[WorkerStep]:
-    """Split ``dataset`` over the trainer's workers; an iterator of one WorkerStep per global batch.
+class RayDataFeed:
+    """fit's source of steps for a ``ray.data.Dataset``: each worker pulls its own split.
 
-    The batch size is checked now; the splits are attached to the workers on the first ``next()``.
-    They are detached from the workers of the group they were given to when the iterator is
-    closed or dropped (fit's loop drops it on recovery, when that group is already gone).
+    Cuts ``dataset`` with ``streaming_split(num_workers, equal=True)`` over the controller's
+    current group and attaches split ``r`` to worker ``r``, skipping ``skip`` local batches
+    ([Note: Ray Data replay]). ``submit`` sends one step on every worker's next batch (None once
+    the splits are known to be empty); ``close`` detaches the splits (fit closes the feed when it
+    ends, and on recovery, when the group it was attached to is already gone).
     """
-    group = trainer._group
-    local = local_batch_size(global_batch_size, group.num_workers, trainer.zero.grad_accum_steps)
-    splits = dataset.streaming_split(group.num_workers, equal=True)
-    return _steps(trainer, group, splits, local, skip)
 
+    def __init__(self, controller: "Controller", dataset: Any, global_batch_size: Optional[int], skip: int) -> None:
+        group = controller.group
+        local = local_batch_size(global_batch_size, group.num_workers, controller.zero.grad_accum_steps)
+        self.controller, self.group, self.feed_id = controller, group, uuid.uuid4().hex
+        splits = dataset.streaming_split(group.num_workers, equal=True)
+        infos = group.wait_all(group.call_each("attach_data", [(split, local, skip, self.feed_id) for split in splits]),
+                               None, "attach the Ray Data splits")
+        self.empty = not all(info["has_next"] for info in infos)
+        self.tokens = sum(info["tokens"] for info in infos) or None
 
-def _steps(trainer: Any, group: Any, splits: List[Any], local: int, skip: int) -> Iterator[WorkerStep]:
-    feed_id = uuid.uuid4().hex
-    try:
-        infos: List[Dict[str, Any]] = group.wait_all(
-            group.call_each("attach_data", [(split, local, skip, feed_id) for split in splits]), None,
-            "attach the Ray Data splits")
-        has_next = all(info["has_next"] for info in infos)
-        num_tokens = sum(info["tokens"] for info in infos)
-        while has_next:
-            step = WorkerStep(trainer, group, num_tokens)
-            yield step
-            has_next = step.has_next
-    finally:
-        for actor in group.actors:  # best effort: the group may be shut down already
-            try:
-                actor.detach_data.remote(feed_id)
-            except Exception:  # noqa: BLE001
-                pass
+    def submit(self, after_ok: bool) -> Optional["PendingStep"]:
+        """A PendingStep on every worker's next local batch, or None when the splits are empty."""
+        if self.empty:
+            return None
+        return self.controller.submit_local_step(after_ok=after_ok, tokens=self.tokens)
+
+    def close(self) -> None:
+        try:  # best effort: the group may be shut down already
+            self.group.call("detach_data", self.feed_id)
+        except Exception:  # noqa: BLE001
+            pass

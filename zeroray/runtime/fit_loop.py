@@ -1,185 +1,178 @@
-"""The fit loop: feed batches, checkpoint on a cadence, recover from worker failures.
+"""The fit loop: keep the next step in flight, checkpoint on a cadence, recover from worker failures.
+
+[Note: pipelined steps]
+While step N runs on the workers, the driver has already sent step N+1 (its call and, for a
+list of batches, its batch): when N ends, N+1 starts at once, and the driver's own work (the
+next batch, splitting it, progress and metrics) and Ray's dispatch hide behind compute. The
+meaning of fit does not change:
+- N+1 is sent with ``after_ok``: if N fails, N+1 does not run on any worker (it returns
+  ``Cancelled``, see sequencer.py) or its group is gone; the loop discards it and handles N's
+  error alone.
+- A checkpoint waits for its step: when step N is one that saves (``every_steps``), N+1 is not
+  sent until N's result is in and the save is done, so no queued step runs before the save.
+- Results and progress come in step order, one per step, as each step is collected.
+- When fit leaves early (the data iterator raised, Ctrl-C), the step still in flight is
+  collected first, so ``step_count`` and ``data_position`` count exactly the steps the
+  workers applied.
 
 [Note: data replay]
-``trainer.data_position`` counts the global batches consumed from the data given to fit.
-A checkpoint records it. After a failure the group is rebuilt, the last checkpoint loaded,
-and the data is iterated again from its start with the first ``data_position`` batches
-skipped, so every step sees the batch it would have seen without the failure. This needs
-a re-iterable source (a list, a Dataset-like object with __iter__ returning a fresh iterator,
-or a ray.data.Dataset); a one-shot iterator cannot be replayed and fit says so.
+``data_position`` counts the global batches consumed from the data given to fit. A checkpoint
+records it. After a failure the group is rebuilt, the last checkpoint loaded, and the data is
+iterated again from its start with the first ``data_position`` batches skipped, so every step
+sees the batch it would have seen without the failure. This needs a re-iterable source (a
+list, a Dataset-like object with __iter__ returning a fresh iterator, or a ray.data.Dataset);
+a one-shot iterator cannot be replayed and fit says so. With a one-shot iterator, a step that
+fails may leave one more batch taken from it than ``data_position`` counts (the batch of the
+step that was in flight behind it).
 """
 from __future__ import annotations
 
 import itertools
-import sys
 import logging
-import time
-from typing import Any, List, Optional
+from collections import deque
+from typing import Any, Deque, List, Optional, Union
 
-import ray
+import torch
 
-from zeroray.runtime.data import WorkerStep, worker_steps
-from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
+from zeroray.config import CheckpointConfig, FailureConfig
+from zeroray.runtime.controller import Controller
+from zeroray.runtime.data import RayDataFeed, is_ray_dataset
+from zeroray.runtime.policy import FailurePolicy, ScalingPolicy
 from zeroray.runtime.progress import Progress
+from zeroray.runtime.step import PendingStep, StepResult
 
 log = logging.getLogger("zeroray")
 
-
-def _is_ray_dataset(data: Any) -> bool:
-    ray_data = sys.modules.get("ray.data")  # a Dataset exists only once ray.data was imported
-    return ray_data is not None and isinstance(data, ray_data.Dataset)
+PIPELINE_DEPTH = 2  # steps in flight: the one running and the one queued behind it
 
 
-def _batches(trainer, data: Any, skip: int, batch_size: Optional[int]):
-    if _is_ray_dataset(data):
-        # Every worker pulls its own split: the loop gets WorkerSteps, not batches (runtime/data.py).
-        return worker_steps(trainer, data, batch_size, skip)
-    return itertools.islice(iter(data), skip, None)
+class BatchFeed:
+    """fit's source of steps for an iterable of global batches: the driver sends each batch."""
+
+    def __init__(self, controller: Controller, data: Any, skip: int) -> None:
+        self.controller = controller
+        self.batches = itertools.islice(iter(data), skip, None)
+
+    def submit(self, after_ok: bool) -> Optional[PendingStep]:
+        """A PendingStep on the next batch, or None when the data has ended."""
+        for batch in self.batches:
+            return self.controller.submit_step(batch, after_ok=after_ok, tokens=_tokens(batch))
+        return None
+
+    def close(self) -> None:
+        pass
 
 
-def _tokens_per_step(batch: Any) -> Optional[int]:
-    import torch
-
-    if isinstance(batch, WorkerStep):
-        return batch.num_tokens
+def _tokens(batch: Any) -> Optional[int]:
     first = batch[0] if isinstance(batch, (list, tuple)) else (
         next(iter(batch.values())) if isinstance(batch, dict) else batch)
     return int(first.numel()) if isinstance(first, torch.Tensor) else None
 
 
-def run_fit(trainer, data: Any, num_steps: Optional[int], *, batch_size: Optional[int],
-            skip: Optional[int], progress: bool) -> List[Any]:
-    if num_steps is not None and (not isinstance(num_steps, int) or num_steps < 0):
+def _feed(controller: Controller, data: Any, batch_size: Optional[int]) -> Union[BatchFeed, RayDataFeed]:
+    if is_ray_dataset(data):  # every worker pulls its own split (runtime/data.py)
+        return RayDataFeed(controller, data, batch_size, controller.data_position)
+    return BatchFeed(controller, data, controller.data_position)
+
+
+def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batch_size: Optional[int],
+            skip: Optional[int], progress: bool, failure: FailureConfig, checkpoint: CheckpointConfig,
+            metrics_path: Optional[str]) -> List[StepResult]:
+    """Trainer.fit: see its docstring, [Note: pipelined steps] and [Note: data replay]."""
+    if num_steps is not None and (not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0):
         raise ValueError(f"num_steps={num_steps!r} must be an int >= 0, or None to run until the data ends")
-    replayable = not (iter(data) is data) if not _is_ray_dataset(data) else True
-    if trainer.failure.max_failures > 0 and not replayable:
+    replayable = is_ray_dataset(data) or iter(data) is not data
+    if failure.max_failures > 0 and not replayable:
         raise ValueError("fit with FailureConfig(max_failures>0) needs re-iterable data (a list, or an object "
                          "whose __iter__ starts over), so batches can be replayed after a failure; "
                          "got a one-shot iterator")
-    start_position = trainer.data_position if skip is None else skip
-    trainer.data_position = start_position
-    trainer._fit_origin = (trainer.step_count, start_position)
-    end_position = None if num_steps is None else start_position + num_steps
-    ckpt = trainer.checkpoint_config
-    failures = FailurePolicy(trainer.failure.max_failures)
-    scaling = ScalingPolicy(trainer.scaling.num_workers, trainer.scaling.min_workers,
-                            trainer.scaling.cpus_per_worker, trainer.scaling.use_gpu)
-    results: List[Any] = []
-    batches = _batches(trainer, data, trainer.data_position, batch_size)  # checks a Dataset's batch_size
-    bar = Progress(num_steps, metrics_path=trainer.metrics_path) if progress else None
+    controller.begin_fit(skip)
     try:
-        while end_position is None or trainer.data_position < end_position:
-            try:
-                batch = next(batches)
-            except StopIteration:
-                break
-            try:
-                result = batch.run() if isinstance(batch, WorkerStep) else trainer.step(batch)
-                trainer.data_position += 1
-                results.append(result)
-                if bar:
-                    if bar.tokens_per_step is None:
-                        bar.tokens_per_step = _tokens_per_step(batch)
-                    bar.update(result)
-                if ckpt.every_steps and trainer.step_count % ckpt.every_steps == 0:
-                    trainer.save(ckpt.path)
-            except Exception as error:  # noqa: BLE001 - classified by _recover: raise, or restart
-                batches = None  # drop the iterator (a Ray Data feed detaches from the old group)
-                _recover(trainer, error, failures, scaling, bar)
-                results[:] = [r for r in results if r.step <= trainer.step_count]  # replayed below
-                batches = _batches(trainer, data, trainer.data_position, batch_size)
-    finally:
-        if bar:
-            bar.close()
-    return results
-
-
-def _recover(trainer, error: Exception, failures: FailurePolicy, scaling: ScalingPolicy, bar) -> None:
-    """Ask the FailurePolicy; raise, or rebuild the group and load the last checkpoint.
-
-    The group already tore itself down when it raised (see [Note: failure detection] in
-    worker_group.py). A failure while restarting (another worker dies) counts as one more.
-    """
-    from zeroray.runtime.trainer import _is_worker_failure
-
-    detected = time.monotonic()
-    while True:
-        decision = failures.on_failure(error, user_error=not _is_worker_failure(error))
-        if decision.action is Action.RAISE:
-            if failures.exhausted:
-                raise RuntimeError(f"training failed: {decision.reason}; original cause: "
-                                   f"{type(error).__name__}: {error}") from error
-            raise error  # user code or input: the worker's own error, as it is
-        _note(bar, f"zeroray: {decision.reason}; restarting from "
-                   f"{trainer._last_checkpoint or 'the initial weights (no checkpoint yet)'}")
+        end = None if num_steps is None else controller.data_position + num_steps
+        failures = FailurePolicy(failure.max_failures)
+        scaling = ScalingPolicy(controller.scaling.num_workers, controller.scaling.min_workers,
+                                controller.scaling.cpus_per_worker, controller.scaling.use_gpu)
+        feed = _feed(controller, data, batch_size)  # checks a Dataset's batch_size before any step
+        bar = Progress(num_steps, metrics_path=metrics_path) if progress else None
+        note = bar.note if bar else log.warning
+        results: List[StepResult] = []
         try:
-            timings = _restart(trainer, scaling, decision.reason, bar)
-            break
-        except Exception as again:  # noqa: BLE001
-            if not _is_worker_failure(again):
+            while True:
+                try:
+                    _run(controller, feed, end, checkpoint, results, bar)
+                    break
+                except Exception as error:  # noqa: BLE001 - classified by recover: raise, or restart
+                    feed.close()
+                    controller.recover(error, failures, scaling, note)
+                    results[:] = [r for r in results if r.step <= controller.step_count]  # replayed below
+                    feed = _feed(controller, data, batch_size)
+        finally:
+            feed.close()
+            if bar:
+                bar.close()
+        return results
+    finally:
+        controller.end_fit()
+
+
+def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optional[int], ckpt: CheckpointConfig,
+         results: List[StepResult], bar: Optional[Progress]) -> None:
+    """Steps from ``feed`` until it ends or ``end`` is reached, PIPELINE_DEPTH in flight."""
+    in_flight: Deque[PendingStep] = deque()
+    ended = False
+    try:
+        while True:
+            while not ended and len(in_flight) < PIPELINE_DEPTH:
+                if end is not None and controller.data_position + len(in_flight) >= end:
+                    break
+                if in_flight and _saves_after(in_flight[-1].number, ckpt):
+                    break  # a checkpoint waits for its step: nothing may run before its save
+                pending = feed.submit(after_ok=bool(in_flight))
+                if pending is None:
+                    ended = True
+                    break
+                in_flight.append(pending)
+            if not in_flight:
+                return
+            pending = in_flight.popleft()
+            try:
+                result = controller.finish_step(pending)
+            except Exception:
+                controller.discard(in_flight)  # cancelled behind the failed step, or their group is gone
+                in_flight.clear()
                 raise
-            error = again
-    resumed = time.monotonic()
-    trainer.last_recovery_s = resumed - detected
-    record = {"cause": f"{type(error).__name__}: {error}", "detected_at": detected, "resumed_at": resumed,
-              "seconds": resumed - detected, "step": trainer.step_count, "num_workers": trainer.num_workers,
-              **timings}
-    trainer.recoveries.append(record)
-    _note(bar, f"zeroray: resumed at step {trainer.step_count} with {trainer.num_workers} worker(s), "
-               f"{trainer.last_recovery_s:.1f} s after the failure was detected")
+            if result is None:  # its split had run out: so had every step behind it
+                controller.discard(in_flight)
+                in_flight.clear()
+                return
+            controller.data_position += 1
+            results.append(result)
+            if bar:
+                if bar.tokens_per_step is None:
+                    bar.tokens_per_step = pending.tokens
+                bar.update(result)
+            if _saves_after(result.step, ckpt):
+                controller.save(ckpt.path, ckpt.keep)
+    except BaseException:
+        # The driver's side failed (the data iterator, a save, Ctrl-C): the steps already sent
+        # count, so step_count and data_position say what the workers applied.
+        _settle(controller, in_flight, results)
+        raise
 
 
-def _note(bar, message: str) -> None:
-    if bar:
-        bar.note(message)  # prints, and logs
-    else:
-        log.warning(message)
+def _saves_after(step: int, ckpt: CheckpointConfig) -> bool:
+    return bool(ckpt.every_steps) and step % ckpt.every_steps == 0
 
 
-def _free_resources(scaling: ScalingPolicy, wait_s: float = 3.0):
-    """Free CPUs and GPUs, after giving Ray a moment to return the torn-down group's bundles."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        free = ray.available_resources()
-        cpus, gpus = free.get("CPU", 0.0), free.get("GPU", 0.0)
-        if scaling.fits(cpus, gpus) >= scaling.target or time.monotonic() >= deadline:
-            return cpus, gpus
-        time.sleep(0.1)
-
-
-def _restart(trainer, scaling: ScalingPolicy, reason: str, bar) -> dict:
-    """Tear the group down, start a new one of the size the cluster offers, load the last checkpoint.
-
-    Returns the seconds spent in each phase (the new group's start dominates: fresh actor
-    processes import torch and build the model)."""
-    t0 = time.monotonic()
-    trainer.shutdown()
-    decision = scaling.on_restart(*_free_resources(scaling))
-    if decision.action is Action.RESIZE:
-        _note(bar, f"zeroray: {decision.reason}")
-    trainer._structure = None
-    t1 = time.monotonic()
-    trainer._start(decision.num_workers)
-    t2 = time.monotonic()
-    timings = {"teardown_s": t1 - t0, "start_s": t2 - t1, **trainer._group.timings}
-    origin_step, origin_position = trainer._fit_origin
-    if trainer._last_checkpoint is not None:
-        trainer._load(trainer._last_checkpoint)
-        if trainer.step_count < origin_step:
-            raise RuntimeError(f"a worker failed ({reason}) and the last checkpoint ({trainer._last_checkpoint}, "
-                               f"step {trainer.step_count}) is older than this fit, which began at step "
-                               f"{origin_step}: the steps in between cannot be replayed. Save before fit, or set "
-                               "CheckpointConfig(path=..., every_steps=...) so fit can recover.")
-        # One global batch per step since fit began; a checkpoint from before this fit recorded
-        # its position in other data, so the position is counted from the fit's origin.
-        trainer.data_position = origin_position + trainer.step_count - origin_step
-    else:
-        if origin_step != 0:
-            raise RuntimeError(f"a worker failed ({reason}) and there is no checkpoint to resume from: the run "
-                               f"had already trained {origin_step} steps before fit began. Set "
-                               "CheckpointConfig(path=..., every_steps=...) so fit can recover.")
-        # No checkpoint yet: the fresh workers hold the initial weights (same seed); start over.
-        trainer.step_count = 0
-        trainer.data_position = origin_position
-    timings["restore_s"] = time.monotonic() - t2
-    return timings
+def _settle(controller: Controller, in_flight: Deque[PendingStep], results: List[StepResult]) -> None:
+    """Collect the steps still in flight when fit is interrupted (their results count)."""
+    while in_flight:
+        pending = in_flight.popleft()
+        try:
+            result = controller.finish_step(pending)
+        except BaseException:  # noqa: BLE001 - the interruption is what the caller sees
+            controller.discard(in_flight)
+            return
+        if result is not None:
+            controller.data_position += 1
+            results.append(result)

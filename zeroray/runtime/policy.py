@@ -12,6 +12,8 @@ from typing import Optional
 
 
 class Action(enum.Enum):
+    """What to do about a worker failure."""
+
     RESTART = "restart"  # rebuild the group at its full size, resume from the last checkpoint
     RESIZE = "resize"    # rebuild it smaller: the cluster offers fewer workers (down to min_workers)
     RAISE = "raise"      # give up: the error goes to the caller
@@ -19,6 +21,8 @@ class Action(enum.Enum):
 
 @dataclass(frozen=True)
 class Decision:
+    """A policy's answer: the action, why, and (restart or resize) the new group's size."""
+
     action: Action
     reason: str
     num_workers: Optional[int] = None  # RESTART / RESIZE from ScalingPolicy: the new group's size

@@ -68,6 +68,8 @@ def ensure_log_output() -> None:
 
 
 class Progress:
+    """One fit's progress output: bar or log lines, JSONL records, Ray gauges ([Note: progress output])."""
+
     def __init__(self, total: Optional[int], initial: int = 0, metrics_path: Optional[str] = None,
                  tokens_per_step: Optional[int] = None, log_every: int = 10) -> None:
         self.total, self.tokens_per_step, self.log_every = total, tokens_per_step, log_every

@@ -1,16 +1,12 @@
-"""The driver-side controller: ``zr.Trainer``.
+"""``zr.Trainer``: the user's handle on a training run.
 
-A small state machine (Ray Train v2 style): it owns one WorkerGroup at a time, splits
-global batches over it, and on a worker failure asks the FailurePolicy what to do,
-rebuilds the group (as many workers as the cluster offers, down to min_workers), restores
-the last checkpoint and replays the data from there.
+It validates what the user passed, then hands every action to its ``Controller``
+(controller.py), the driver's state machine, which owns the worker group and the training
+state; ``fit`` runs in fit_loop.py on the same controller. See [Note: trainer states].
 """
 from __future__ import annotations
 
-import logging
-import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -18,42 +14,24 @@ import torch
 from zeroray.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
-from zeroray.engine import batch_size, batch_structure, split_batch, structure_changed
-from zeroray.runtime.batch_transport import PackedBatch
-from zeroray.runtime.worker_group import WorkerGroup, ensure_ray
+from zeroray.runtime.controller import Controller, TrainerState
+from zeroray.runtime.fit_loop import run_fit
+from zeroray.runtime.step import StepResult
+from zeroray.runtime.worker_group import ensure_ray
 
-log = logging.getLogger("zeroray")
-
-
-@dataclass
-class StepResult:
-    loss: float            # mean over the global batch
-    grad_norm: float       # global L2 norm before clipping
-    step: int              # optimizer steps taken so far (this one included)
-    skipped: bool = False  # fp16 overflow: the update was skipped on every worker
-    loss_scale: Optional[float] = None
-    step_time_s: float = 0.0
-    timeline: Optional[Dict[str, float]] = field(default=None, repr=False, compare=False)
-
-
-def _is_worker_failure(error: BaseException) -> bool:
-    """A dead, unreachable or hung worker (restartable), as opposed to an error in user code or input.
-
-    A surviving rank whose peer died fails inside gloo/NCCL; that is the peer's failure, not user
-    error. The classification lives with the group (worker_group.classify_error)."""
-    from zeroray.runtime.worker_group import classify_error
-
-    return classify_error(error) != "user"
-
-
-def _finalize(group_ref: List[Optional[WorkerGroup]]) -> None:
-    group = group_ref[0]
-    if group is not None:
-        group.shutdown()
-        group_ref[0] = None
+__all__ = ["Trainer", "StepResult", "TrainerState"]
 
 
 class Trainer:
+    """ZeRO-sharded training of a PyTorch model on Ray worker actors (see the README).
+
+    ``model_fn()`` builds the model on every worker (after ``torch.manual_seed(seed)``);
+    ``loss_fn(model, batch)`` returns the scalar loss of a worker's share of a batch. ``step``
+    trains on one global batch, ``fit`` on an iterable of them or a ``ray.data.Dataset``;
+    ``save``/``restore``/``resize`` move the sharded state; ``state_dict``/``get_parameter``
+    gather it to the driver. ``trainer.controller`` is the state machine behind it all.
+    """
+
     def __init__(self, model_fn: Callable[[], torch.nn.Module], loss_fn: Callable, *,
                  optimizer: Any = None, zero: Optional[ZeroConfig] = None,
                  scaling: Optional[ScalingConfig] = None, failure: Optional[FailureConfig] = None,
@@ -76,97 +54,87 @@ class Trainer:
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         self.zero = zero or ZeroConfig()
-        self.scaling = scaling or ScalingConfig()
+        scaling = scaling or ScalingConfig()
         self.failure = failure or FailureConfig()
         self.checkpoint_config = checkpoint or CheckpointConfig()
         self.seed = seed
         self.metrics_path = metrics_path
-        self._spec = {"model_fn": model_fn, "loss_fn": loss_fn, "optimizer": optimizer, "zero": self.zero,
-                      "seed": seed, "param_groups": param_groups, "scheduler": scheduler}
-        self.step_count = 0
-        self.data_position = 0
-        self._structure = None
-        self._last_checkpoint: Optional[str] = None
-        self.last_recovery_s: Optional[float] = None  # fit: seconds from a worker failure to resuming
-        self.recoveries: List[Dict[str, Any]] = []     # fit: one record per restart (cause, timing, size)
-        self._group_ref: List[Optional[WorkerGroup]] = [None]
-        ensure_ray(self.scaling)
-        self._start(self.scaling.num_workers)
+        spec = {"model_fn": model_fn, "loss_fn": loss_fn, "optimizer": optimizer, "zero": self.zero,
+                "seed": seed, "param_groups": param_groups, "scheduler": scheduler}
+        ensure_ray(scaling)
+        self.controller = Controller(spec, scaling, self.zero)
         # Garbage collection of the Trainer releases its actors and placement group.
-        self._finalizer = weakref.finalize(self, _finalize, self._group_ref)
+        self._finalizer = weakref.finalize(self, self.controller.slot.release)
         if _restore_from is not None:
             try:
-                self._load(_restore_from)
+                self.controller.load(_restore_from)
             except BaseException:
                 self.shutdown()  # nothing half-loaded stays behind
                 raise
 
-    # --- group lifecycle -------------------------------------------------------------------
+    # --- what the trainer knows (the controller owns it) -----------------------------------
 
     @property
-    def _group(self) -> WorkerGroup:
-        group = self._group_ref[0]
-        if group is None:
-            raise RuntimeError("this Trainer was shut down: build a new one (or zr.Trainer.restore(...))")
-        return group
+    def state(self) -> TrainerState:
+        """What the trainer is doing now: idle, stepping, fitting, recovering, resizing or closed."""
+        return self.controller.state
+
+    @property
+    def scaling(self) -> ScalingConfig:
+        return self.controller.scaling
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.controller.step_count
+
+    @property
+    def data_position(self) -> int:
+        """Global batches consumed from fit's data (where the next fit, or a restored checkpoint, resumes)."""
+        return self.controller.data_position
+
+    @data_position.setter
+    def data_position(self, value: int) -> None:
+        self.controller.data_position = value
+
+    @property
+    def last_recovery_s(self) -> Optional[float]:
+        """fit: seconds from the last worker failure to resuming."""
+        return self.controller.last_recovery_s
+
+    @property
+    def recoveries(self) -> List[Dict[str, Any]]:
+        """fit: one record per restart after a worker failure (cause, timings, step, size)."""
+        return self.controller.recoveries
+
+    @property
+    def layout(self) -> FlatLayout:
+        return self.controller.layout
 
     @property
     def num_workers(self) -> int:
-        return self._group.num_workers
+        return self.controller.num_workers
 
     @property
     def workers(self) -> List[Dict[str, Any]]:
         """Per worker: rank, node id, ip, pid (where each actor runs)."""
-        return list(self._group.nodes)
-
-    def _start(self, num_workers: int) -> None:
-        self._group_ref[0] = WorkerGroup(self._spec, num_workers, self.scaling)
-        info = self._group.setup_info[0]
-        self.layout = FlatLayout.from_dict(info["layout"])
-        self._state_dict_keys = info["state_dict_keys"]
+        return list(self.controller.group.nodes)
 
     def shutdown(self) -> None:
         """Release the actors and the placement group. Safe to call twice."""
-        _finalize(self._group_ref)
+        self.controller.close()
 
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
     # --- training --------------------------------------------------------------------------
 
-    def _check_batch(self, batch: Any) -> None:
-        structure = batch_structure(batch)
-        if self._structure is not None and structure != self._structure:
-            raise ValueError(structure_changed(self.step_count, self._structure, structure))
-        size = batch_size(batch)
-        parts = self.num_workers * self.zero.grad_accum_steps
-        if size % parts:
-            raise ValueError(
-                f"the global batch has {size} rows, which does not split evenly over {self.num_workers} worker(s)"
-                f" x {self.zero.grad_accum_steps} micro-batch(es): use a batch size divisible by {parts}")
-        self._structure = structure
-
     def step(self, batch: Any) -> StepResult:
         """One optimizer step on a global batch (split evenly over the workers)."""
-        self._check_batch(batch)
-        shards = [PackedBatch(s) for s in split_batch(batch, self.num_workers)]  # [Note: batch transport]
-        submit = time.time()
-        refs = self._group.call_each("train_step", [(s,) for s in shards])
-        results = self._group.wait_all(refs, self.zero.collective_timeout_s + 60, f"step {self.step_count}")
-        out = self._record_step(results)
-        out.timeline = {"submit": submit, **results[0]["hops"], "receive": time.time()}
-        return out
-
-    def _record_step(self, results: List[Dict[str, Any]]) -> StepResult:
-        """The StepResult of the workers' per-rank results (shared with Ray Data's runtime/data.py)."""
-        self.step_count = results[0]["step"]
-        r0 = results[0]
-        return StepResult(loss=sum(r["loss"] for r in results) / len(results), grad_norm=r0["grad_norm"],
-                          step=r0["step"], skipped=r0["skipped"], loss_scale=r0["loss_scale"],
-                          step_time_s=max(r["time_s"] for r in results))
+        return self.controller.step(batch)
 
     def fit(self, data: Any, num_steps: Optional[int] = None, *, batch_size: Optional[int] = None,
             skip: Optional[int] = None, progress: bool = True) -> List[StepResult]:
@@ -175,16 +143,20 @@ class Trainer:
         Runs ``num_steps`` steps (default: until the data ends). The first ``skip`` batches are
         skipped (default: ``self.data_position``, the batches a restored checkpoint had consumed).
         With CheckpointConfig(every_steps=n) it saves every n steps; with FailureConfig(max_failures=k)
-        a worker failure restarts from the last checkpoint and replays the data from there.
+        a worker failure restarts from the last checkpoint and replays the data from there. The
+        next step is sent while the current one runs ([Note: pipelined steps] in fit_loop.py).
         """
-        from zeroray.runtime.fit_loop import run_fit
-
-        return run_fit(self, data, num_steps, batch_size=batch_size, skip=skip, progress=progress)
+        return run_fit(self.controller, data, num_steps, batch_size=batch_size, skip=skip, progress=progress,
+                       failure=self.failure, checkpoint=self.checkpoint_config, metrics_path=self.metrics_path)
 
     # --- inspection ------------------------------------------------------------------------
 
+    def _on_workers(self, method: str, *args: Any, ranks: Optional[List[int]] = None) -> List[Any]:
+        group = self.controller.group
+        return group.wait_all(group.call(method, *args, ranks=ranks), None, method, ranks=ranks)
+
     def _assemble(self, names: List[str]) -> Dict[str, torch.Tensor]:
-        pieces = self._group.wait_all(self._group.call("master_pieces", names), None, "gather parameters")
+        pieces = self._on_workers("master_pieces", names)
         out = {}
         for name in names:
             slot = self.layout.slots[name]
@@ -199,9 +171,9 @@ class Trainer:
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """Consolidated fp32 parameters (and buffers), keys as ``model_fn().state_dict()``."""
         params = self._assemble(self.layout.param_names)
-        untrained = self._group.wait_all(self._group.call("untrained_state", ranks=[0]), None, "state")[0]
+        untrained = self._on_workers("untrained_state", ranks=[0])[0]
         out = {}
-        for key in self._state_dict_keys:
+        for key in self.controller.state_dict_keys:
             if key in self.layout.slots:
                 out[key] = params[self.layout.slots[key].name].clone()
             elif key in untrained:
@@ -212,47 +184,29 @@ class Trainer:
         """One full parameter (fp32), gathered to the driver from the shards that hold it."""
         if name in self.layout.slots:
             return self._assemble([self.layout.slots[name].name])[self.layout.slots[name].name]
-        untrained = self._group.wait_all(self._group.call("untrained_state", ranks=[0]), None, "state")[0]
+        untrained = self._on_workers("untrained_state", ranks=[0])[0]
         if name in untrained:
             return untrained[name]
         raise KeyError(f"no parameter or buffer named {name!r}; names are those of model.state_dict(), "
-                       f"e.g. {self._state_dict_keys[:5]}")
+                       f"e.g. {self.controller.state_dict_keys[:5]}")
 
     def comm_report(self) -> List[Dict[str, Any]]:
         """Per worker, for the last step: bytes and calls per collective, exposed wait, prefetch hits."""
-        return self._group.wait_all(self._group.call("comm_report"), None, "comm_report")
+        return self._on_workers("comm_report")
 
     def memory_report(self) -> List[Dict[str, Any]]:
         """Per worker: measured bytes by category next to the paper's estimate (see memory_report.py)."""
-        return self._group.wait_all(self._group.call("memory_report"), None, "memory_report")
+        return self._on_workers("memory_report")
 
     # --- checkpoints and resize ------------------------------------------------------------
 
     def save(self, path: Optional[str] = None) -> str:
         """Sharded checkpoint: every worker writes its shard in parallel, then an atomic commit."""
-        from zeroray.checkpoint import commit
-
         root = path or self.checkpoint_config.path
         if root is None:
             raise ValueError("save() needs a path: trainer.save('ckpts/') or CheckpointConfig(path=...)")
-        outs = self._group.wait_all(self._group.call("save_shard", root, self.step_count), None, "save")
-        infos = [o[0] for o in outs] + [o[1] for o in outs if o[1] is not None]
-        fields = {"layout": self.layout, "world_size": self.num_workers, "data_position": self.data_position,
-                  "config": {"zero": repr(self.zero), "scaling": repr(self.scaling), "seed": self.seed},
-                  "extra": {"state_dict_keys": self._state_dict_keys}}
         keep = self.checkpoint_config.keep if root == self.checkpoint_config.path else None
-        self._last_checkpoint = commit(root, self.step_count, fields, infos, keep=keep)
-        return self._last_checkpoint
-
-    def _load(self, path: str) -> None:
-        from zeroray.checkpoint import latest_checkpoint, load_manifest
-
-        manifest = load_manifest(path)
-        step_dir = manifest.source if hasattr(manifest, "source") else (latest_checkpoint(path) or path)
-        steps = self._group.wait_all(self._group.call("load_checkpoint", step_dir), None, "restore")
-        self.step_count = steps[0]
-        self.data_position = int(manifest.data_position or 0)
-        self._last_checkpoint = step_dir
+        return self.controller.save(root, keep)
 
     @classmethod
     def restore(cls, path: str, model_fn: Callable, loss_fn: Callable, **kwargs: Any) -> "Trainer":
@@ -264,21 +218,6 @@ class Trainer:
         return cls(model_fn, loss_fn, _restore_from=path, **kwargs)
 
     def resize(self, num_workers: int) -> None:
-        """Change the number of workers in place: shards move from the old actors to the new ones
-        through Ray's object store (no disk); training continues where it was."""
-        ScalingConfig(num_workers=num_workers)  # validates
-        old = self._group
-        state_refs = old.call("export_state")
-        import ray
-
-        ray.wait(state_refs, num_returns=len(state_refs))
-        old_layout = self.layout.to_dict()
-        # The exported states are owned by this driver and live in the object store, so they
-        # outlive the old actors; each new worker fetches them directly (nested refs).
-        old.shutdown()
-        self._group_ref[0] = None
-        self.scaling = ScalingConfig(**{**vars(self.scaling), "num_workers": num_workers,
-                                        "min_workers": min(self.scaling.min_workers or num_workers, num_workers)})
-        self._start(num_workers)
-        steps = self._group.wait_all(self._group.call("load_from_states", old_layout, state_refs), None, "resize")
-        self.step_count = steps[0]
+        """Change the number of workers in place: the shards move from the old actors to the new
+        ones through Ray's object store (no disk); training continues where it was."""
+        self.controller.resize(num_workers)

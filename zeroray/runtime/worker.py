@@ -1,21 +1,33 @@
 """The worker actor: one rank's Engine inside a Ray actor.
 
-The actor is threaded (``max_concurrency=2``): training runs on one thread while the other
-still answers ``ping`` and report calls from the driver (Ray Train v2's pattern), so the
-driver can tell a slow step from a dead worker.
+The actor is threaded: every call that touches the engine takes a ``Ticket`` and runs in the
+order the driver numbered it, one at a time (see [Note: one engine call at a time] in
+sequencer.py), while the polls (``node_info``, ``free_port``, ``progress``) run on a thread
+of their own (the ``control`` concurrency group) and are answered during a step: the driver
+can tell a slow step from a dead worker, and name the ranks that did not reach a collective.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import resource
 import socket
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import ray
 import torch
 
 from zeroray.runtime.batch_transport import unpack
+from zeroray.runtime.sequencer import Sequencer, Ticket
+
+# Concurrency groups of the actor class (worker_group.py passes them to ray.remote): the engine
+# calls wait for their turn on the default group's threads (a running step, the step queued
+# behind it, a save or a report behind that), the polls never wait behind them.
+ENGINE_THREADS = 4
+CONCURRENCY_GROUPS = {"control": 1}
 
 
 def _peak_rss_bytes() -> int:
@@ -30,42 +42,61 @@ def _current_rss_bytes() -> int:
         return _peak_rss_bytes()
 
 
+def engine_call(method: Callable) -> Callable:
+    """An actor method that touches the engine: called as ``method(ticket, *args)``, it runs in
+    its ticket's turn (see [Note: one engine call at a time])."""
+    def call(self: "Worker", ticket: Ticket, *args: Any, **kwargs: Any) -> Any:
+        self._arrived.at = time.time()  # before waiting for the turn: the step timeline's actor_start
+        return self._sequencer.run(ticket, functools.partial(method, self, *args, **kwargs))
+
+    call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    # Ray checks call arguments against the signature: the same one, with the ticket first.
+    signature = inspect.signature(method)
+    params = list(signature.parameters.values())
+    call.__signature__ = signature.replace(parameters=[
+        params[0], inspect.Parameter("ticket", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params[1:]])
+    return call
+
+
 class Worker:
+    """One rank of a worker group: its collective group membership, its Engine, its Ray Data split."""
+
     def __init__(self, rank: int, world_size: int, threads: int, use_gpu: bool) -> None:
         self.rank, self.world_size, self.use_gpu = rank, world_size, use_gpu
         torch.set_num_threads(threads)
         self.engine = None
         self.group = None
-        self._lock = threading.Lock()
-        self.last_step_time = 0.0
+        self._sequencer = Sequencer()
+        self._arrived = threading.local()
         self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/data.py)
 
-    # --- wiring ----------------------------------------------------------------------------
+    # --- polls: answered at any time, never wait for the engine -------------------------------
 
+    @ray.method(concurrency_group="control")
     def node_info(self) -> Dict[str, Any]:
-        import ray
-
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "pid": os.getpid(), "host": socket.gethostname(),
                 "gpu_ids": ray.get_gpu_ids() if self.use_gpu else []}
 
+    @ray.method(concurrency_group="control")
     def free_port(self) -> int:
         from zeroray.comm.group import free_port
 
         return free_port()
 
-    def ping(self) -> int:
-        return self.rank
-
+    @ray.method(concurrency_group="control")
     def progress(self) -> Dict[str, Any]:
-        """How far this rank got in the current step; answered on the second thread while a step
-        runs, so the driver can name the ranks that did not reach a collective."""
+        """How far this rank got in the current step, so the driver can name the ranks that did
+        not reach a collective. Reads counters the step thread updates: a snapshot, not a lock."""
         counter = self.group.counter if self.group is not None else None
         calls = sum(s.calls for s in list(counter.collectives.values())) if counter is not None else 0
         return {"rank": self.rank, "step": self.engine.step_count if self.engine is not None else None,
-                "collectives": calls, "busy": self._lock.locked()}
+                "collectives": calls, "busy": self._sequencer.busy}
 
+    # --- wiring ----------------------------------------------------------------------------
+
+    @engine_call
     def setup(self, spec: Dict[str, Any], master_addr: str, master_port: int) -> Dict[str, Any]:
         """Join the collective group and build this rank's engine."""
         from zeroray.comm.group import make_torch_group
@@ -83,61 +114,70 @@ class Worker:
         self.engine = Engine(spec["model_fn"], spec["loss_fn"], spec["optimizer"], zero, self.group,
                              seed=spec["seed"], device=device, param_groups=spec.get("param_groups"),
                              scheduler=spec.get("scheduler"))
+        layout, rank = self.engine.state_layout()
         return {"layout": self.engine.layout.to_dict(), "build_s": time.perf_counter() - t0,
-                "peak_rss_bytes": _peak_rss_bytes(), "state_dict_keys": list(self.engine.model.state_dict(keep_vars=True).keys())}
+                "peak_rss_bytes": _peak_rss_bytes(),
+                # keep_vars: stage 3's trainable parameters hold no values between steps
+                "state_dict_keys": list(self.engine.model.state_dict(keep_vars=True).keys()),
+                "state_layout": (layout.to_dict(), rank)}
 
     # --- training --------------------------------------------------------------------------
 
+    @engine_call
     def train_step(self, batch: Any) -> Dict[str, Any]:
-        t_start = time.time()
-        with self._lock:
-            t_engine = time.time()
-            stats = self.engine.train_step(unpack(batch))
-            t_engine_end = time.time()
-        self.last_step_time = stats.time_s
+        """One step on this rank's share of the global batch (a PackedBatch, see batch_transport.py)."""
+        return self._step(unpack(batch))
+
+    def _step(self, batch: Any) -> Dict[str, Any]:
+        t_engine = time.time()
+        stats = self.engine.train_step(batch)
+        t_engine_end = time.time()
         return {"loss": stats.loss, "grad_norm": stats.grad_norm, "step": stats.step, "skipped": stats.skipped,
                 "loss_scale": stats.loss_scale, "time_s": stats.time_s,
-                "hops": {"actor_start": t_start, "engine_start": t_engine, "engine_end": t_engine_end,
-                         "actor_end": time.time()}}
+                "hops": {"actor_start": self._arrived.at, "engine_start": t_engine, "engine_end": t_engine_end}}
 
     # --- Ray Data input (runtime/data.py) ------------------------------------------------------
 
+    @engine_call
     def attach_data(self, split: Any, batch_size: int, skip: int, feed_id: str) -> Dict[str, Any]:
-        """Take this rank's split of a ray.data.Dataset; skip ``skip`` local batches, read one ahead."""
+        """Take this rank's split of a ray.data.Dataset and skip ``skip`` local batches."""
         from zeroray.runtime.data import LocalFeed
 
         self.feed = LocalFeed(split, batch_size, skip, feed_id)
         return self.feed.peek_info()
 
-    def train_next(self) -> Dict[str, Any]:
-        """One step on this rank's next local batch; says whether another one follows."""
+    @engine_call
+    def train_next(self) -> Optional[Dict[str, Any]]:
+        """One step on this rank's next local batch; None (no step) when the split has run out."""
         if self.feed is None:
             raise RuntimeError("train_next: no Ray Data split is attached to this worker")
-        out = self.train_step(self.feed.take())
-        self.feed.advance()
-        out["has_next"] = self.feed.has_next()
-        return out
+        batch = self.feed.take()
+        return None if batch is None else self._step(batch)
 
+    @engine_call
     def detach_data(self, feed_id: str) -> None:
-        # By id: on this threaded actor a late detach of the last fit must not drop the next fit's split.
         if self.feed is not None and self.feed.feed_id == feed_id:
             self.feed = None
 
     # --- inspection ------------------------------------------------------------------------
 
+    @engine_call
     def master_pieces(self, names: Optional[List[str]] = None) -> Dict[str, Any]:
         names = names if names is not None else self.engine.layout.param_names
         return {n: self.engine.master_piece(n) for n in names}
 
+    @engine_call
     def untrained_state(self) -> Dict[str, torch.Tensor]:
         return self.engine.untrained_state()
 
+    @engine_call
     def comm_report(self) -> Dict[str, Any]:
         report = self.group.counter.as_dict()
         report["rank"] = self.rank
         report.update(self.engine.fetch_stats())
         return report
 
+    @engine_call
     def memory_report(self) -> Dict[str, Any]:
         from zeroray.memory_report import measure
 
@@ -149,18 +189,26 @@ class Worker:
 
     # --- state -----------------------------------------------------------------------------
 
-    def export_state(self) -> Dict[str, Any]:
-        tensors, scalars = self.engine.export_state()
-        return {"tensors": tensors, "scalars": scalars, "layout": self.engine.layout.to_dict()}
+    @engine_call
+    def export_pieces(self, targets: List[Tuple[Dict[str, Any], int]]) -> Tuple[Any, ...]:
+        """Resize, old side: one piece of this rank's state per new worker ([Note: resize transfer]),
+        then a small record (the step count) the driver waits on. Called with num_returns=M+1."""
+        from zeroray.runtime.state_transfer import cut_pieces
 
-    def save_shard(self, root: str, step: int) -> Any:
-        from zeroray.checkpoint import write_shard, write_extra
+        tensors, scalars = self.engine.export_state()
+        pieces = cut_pieces(self.engine.layout, self.rank, tensors, scalars, targets)
+        return (*pieces, {"step": self.engine.step_count})
+
+    @engine_call
+    def save_shard(self, root: str, step: int) -> Tuple[Any, Any]:
+        from zeroray.checkpoint import write_extra, write_shard
 
         tensors, scalars = self.engine.export_state()
         info = write_shard(root, step, self.rank, tensors, scalars)
         extra = write_extra(root, step, self.engine.untrained_state()) if self.rank == 0 else None
         return info, extra
 
+    @engine_call
     def load_checkpoint(self, path: str) -> int:
         from zeroray.checkpoint import load_resharded
 
@@ -169,23 +217,15 @@ class Worker:
         self.engine.import_state(tensors, scalars)
         return self.engine.step_count
 
-    def load_from_states(self, old_layout: Dict[str, Any], old_states: List[Any]) -> int:
-        """In-place resize: assemble this rank's state from the old workers' exported states."""
-        from zeroray.arena import FlatLayout
-        from zeroray.checkpoint import reshard_in_memory
+    @engine_call
+    def load_pieces(self, piece_refs: List[Any]) -> int:
+        """Resize, new side: this rank's state from the old workers' pieces for it, fetched one at a
+        time (the refs arrive in a list, so Ray does not fetch them all before the call)."""
+        from zeroray.runtime.state_transfer import PieceAssembler
 
-        import ray
-
-        states = [s if isinstance(s, dict) else ray.get(s) for s in old_states]
-        layout, rank = self.engine.state_layout()
-        merged = reshard_in_memory(FlatLayout.from_dict(old_layout),
-                                   [{**s["tensors"], "scalars": s["scalars"]} for s in states], layout, rank)
-        scalars = merged.pop("scalars", {}) or {}
-        self.engine.import_state(merged, scalars)
+        layout, _ = self.engine.state_layout()
+        assembler = PieceAssembler(layout)
+        for ref in piece_refs:
+            assembler.add(ray.get(ref))
+        self.engine.import_state(*assembler.state())
         return self.engine.step_count
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-        if self.group is not None:
-            self.group.close()

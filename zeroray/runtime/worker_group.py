@@ -13,13 +13,17 @@ makes the others' gloo calls time out after ``collective_timeout_s``. After the 
 the driver listens ``_FAILURE_GRACE_S`` more for the rest, then decides: a death
 (WorkerDiedError) wins over a broken connection (WorkerGroupError) or a timeout
 (CollectiveTimeoutError, naming the ranks that issued fewer collectives: they did not
-arrive); otherwise the user's own error is raised as it is. Whenever the workers are left out
-of step with each other, the driver kills them all (ray.kill) before raising: survivors
-blocked in a collective are never waited for. fit_loop.py restarts on the first three kinds.
+arrive); otherwise the failing worker's own error is raised (see failures.py), not the
+``PeerStepError`` errors of the workers whose step was dropped because of it. Whenever the workers
+are left out of step with each other, the driver kills them all (ray.kill) before raising:
+survivors blocked in a collective are never waited for. An error that every worker raised
+together (the engine's step outcome, see zeroray/errors.py) leaves the group usable. The
+controller's recovery restarts on the first three kinds.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Sequence
@@ -29,71 +33,16 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from zeroray.config import ScalingConfig
-from zeroray.runtime.worker import Worker
+from zeroray.runtime.failures import (CollectiveTimeoutError, ErrorKind, PlacementError, WorkerDiedError,
+                                      WorkerGroupError, classify_error, first_line, setup_error, worker_error)
+from zeroray.runtime.sequencer import Ticket
+from zeroray.runtime.worker import CONCURRENCY_GROUPS, ENGINE_THREADS, Worker
 
 log = logging.getLogger("zeroray")
 
 # How long wait_all keeps listening for the other workers after the first error: long enough
 # for Ray to report a killed actor (well under a second), short enough to fail fast.
 _FAILURE_GRACE_S = 3.0
-
-
-class PlacementError(RuntimeError):
-    """The cluster cannot offer the placement group within ``placement_timeout_s``."""
-
-
-class WorkerSetupError(RuntimeError):
-    """Building a worker's model or engine failed (model_fn, the optimizer spec, the collective group)."""
-
-
-class WorkerGroupError(RuntimeError):
-    """The group cannot continue: a worker died, a peer connection broke or a collective hung.
-
-    Raised on the driver after the group was torn down; fit restarts on it (FailureConfig).
-    ``ranks`` are the workers to blame (dead, or did not arrive); ``cause`` the first error seen.
-    """
-
-    def __init__(self, message: str, ranks: Sequence[int] = (), cause: Optional[BaseException] = None) -> None:
-        super().__init__(message)
-        self.ranks, self.cause = list(ranks), cause
-
-
-class WorkerDiedError(WorkerGroupError):
-    """A worker's process or node is gone."""
-
-
-class CollectiveTimeoutError(WorkerGroupError, TimeoutError):
-    """A collective did not complete within ZeroConfig.collective_timeout_s."""
-
-
-# Text of the errors a surviving rank raises when its peer vanished (gloo over TCP, NCCL).
-_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
-              "socket closed", "nccl communicator was aborted", "ncclremoteerror")
-_TIMED_OUT = ("timed out waiting", "watchdog caught collective operation timeout", "operation timed out")
-
-
-def classify_error(error: BaseException) -> str:
-    """'died' (the worker is gone), 'peer' (its peer vanished), 'timeout' (a collective hung) or 'user'."""
-    import ray.exceptions as rex
-
-    died = tuple(k for k in (getattr(rex, n, None) for n in (
-        "RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
-        "NodeDiedError", "OwnerDiedError", "ObjectLostError", "ActorPlacementGroupRemoved")) if k is not None)
-    if isinstance(error, WorkerDiedError) or isinstance(error, died):
-        return "died"
-    if isinstance(error, (CollectiveTimeoutError, TimeoutError)):
-        return "timeout"
-    if isinstance(error, WorkerGroupError):
-        return "peer"
-    if isinstance(error, rex.RayTaskError):
-        # Only the worker's own exception message counts, not the traceback around it.
-        cause = getattr(error, "cause", None)
-        text = (str(cause) if cause is not None else (str(error).strip().splitlines() or [""])[-1]).lower()
-        if any(k in text for k in _PEER_LOST):
-            return "peer"
-        if any(k in text for k in _TIMED_OUT):
-            return "timeout"
-    return "user"
 
 
 def ensure_ray(scaling: ScalingConfig) -> None:
@@ -110,19 +59,6 @@ def ensure_ray(scaling: ScalingConfig) -> None:
              logging_level=logging.WARNING, configure_logging=True)
 
 
-def _setup_error(error: "ray.exceptions.RayTaskError") -> Exception:
-    """The worker's own error, with its traceback, as the error of Trainer construction."""
-    cause = getattr(error, "cause", None)
-    what = f"{type(cause).__name__}: {cause}" if cause is not None else str(error).strip().splitlines()[-1]
-    message = (f"setting up the workers failed: {what}\n"
-               "Every worker calls torch.manual_seed(seed), model_fn(), builds the optimizer from its spec "
-               "and joins the collective group; fix the error above (the worker's traceback follows). "
-               "No actors were left running.\n--- worker traceback ---\n"
-               f"{getattr(error, 'traceback_str', '') or str(error)}")
-    # A user error keeps its type (ValueError for bad input), anything else is a WorkerSetupError.
-    return ValueError(message) if isinstance(cause, ValueError) else WorkerSetupError(message)
-
-
 def _cluster_offer() -> str:
     total = ray.cluster_resources()
     free = ray.available_resources()
@@ -131,7 +67,13 @@ def _cluster_offer() -> str:
 
 
 class WorkerGroup:
-    """The actors of one training run (one world size); torn down and rebuilt on resize/recovery."""
+    """The actors of one world size, placed and wired into one collective group.
+
+    Torn down and rebuilt on recovery; on resize a new group is built next to the old one.
+    Every call that touches the engines goes through ``call``/``call_each``, which number it per
+    worker ([Note: one engine call at a time] in sequencer.py); ``poll`` calls never wait for
+    the engines. ``wait_all`` collects one call per worker and says who failed and how.
+    """
 
     def __init__(self, spec: Dict[str, Any], num_workers: int, scaling: ScalingConfig) -> None:
         self.num_workers = num_workers
@@ -140,6 +82,8 @@ class WorkerGroup:
         self.nodes: List[Dict[str, Any]] = []
         self.failed: Optional[str] = None  # why the group was torn down after a failure
         self.collective_timeout_s = spec["zero"].collective_timeout_s
+        self._next_seq = [0] * num_workers  # per worker: the number of its next engine call
+        self._numbering = threading.Lock()  # driver threads (a fit, a report) may call at once
         bundle = {"CPU": scaling.cpus_per_worker}
         if scaling.use_gpu:
             bundle["GPU"] = 1
@@ -157,37 +101,57 @@ class WorkerGroup:
                 "(cpus_per_worker), or add nodes.")
         self.timings = {"placement_s": time.monotonic() - t0}  # where the start-up time goes
         threads = scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
-        actor_cls = ray.remote(Worker)
+        actor_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)
         try:
             for rank in range(num_workers):
                 strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                             placement_group_bundle_index=rank)
                 self.actors.append(actor_cls.options(
                     num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
-                    scheduling_strategy=strategy, max_concurrency=2, max_restarts=0,
+                    scheduling_strategy=strategy, max_concurrency=ENGINE_THREADS, max_restarts=0,
                     name=None).remote(rank, num_workers, threads, scaling.use_gpu))
-            self.nodes = ray.get([a.node_info.remote() for a in self.actors])
+            self.nodes = ray.get(self.poll("node_info"))
             self.timings["actors_s"] = time.monotonic() - t0 - self.timings["placement_s"]
             master_addr = self.nodes[0]["ip"]
-            master_port = ray.get(self.actors[0].free_port.remote())
+            master_port = ray.get(self.poll("free_port", ranks=[0]))[0]
             spec = dict(spec, group_name=f"zr-{uuid.uuid4().hex[:8]}")
-            self.setup_info = ray.get([a.setup.remote(spec, master_addr, master_port) for a in self.actors])
+            self.setup_info = ray.get(self.call("setup", spec, master_addr, master_port))
             self.timings["setup_s"] = time.monotonic() - t0 - self.timings["placement_s"] - self.timings["actors_s"]
         except BaseException as error:
             self.shutdown()
             if isinstance(error, ray.exceptions.RayTaskError):
-                raise _setup_error(error) from error
+                raise setup_error(error) from error
             raise
 
-    def call(self, method: str, *args: Any, ranks: Optional[Sequence[int]] = None, **kwargs: Any) -> List[Any]:
-        """Start ``method`` on every actor (or ``ranks``); returns object refs."""
-        self._check_usable()
-        actors = self.actors if ranks is None else [self.actors[r] for r in ranks]
-        return [getattr(a, method).remote(*args, **kwargs) for a in actors]
+    # --- calls -----------------------------------------------------------------------------
 
-    def call_each(self, method: str, per_rank_args: Sequence[Sequence[Any]]) -> List[Any]:
+    def call(self, method: str, *args: Any, ranks: Optional[Sequence[int]] = None, after_ok: bool = False,
+             num_returns: int = 1) -> List[Any]:
+        """Start engine call ``method`` on every actor (or ``ranks``), each in its turn; object refs
+        in rank order. ``after_ok``: skip it (it returns Cancelled) where the call before it failed."""
+        ranks = range(self.num_workers) if ranks is None else ranks
+        return self.call_each(method, [args] * len(ranks), ranks=ranks, after_ok=after_ok, num_returns=num_returns)
+
+    def call_each(self, method: str, per_rank_args: Sequence[Sequence[Any]], *,
+                  ranks: Optional[Sequence[int]] = None, after_ok: bool = False, num_returns: int = 1) -> List[Any]:
+        """``call`` with other arguments per worker: ``per_rank_args[i]`` for ``ranks[i]``."""
         self._check_usable()
-        return [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
+        ranks = range(self.num_workers) if ranks is None else ranks
+        refs = []
+        with self._numbering:  # one call's tickets at a time, so every worker runs calls in one order
+            for rank, args in zip(ranks, per_rank_args):
+                ticket = Ticket(self._next_seq[rank], after_ok)
+                self._next_seq[rank] += 1
+                remote = getattr(self.actors[rank], method)
+                if num_returns != 1:
+                    remote = remote.options(num_returns=num_returns)
+                refs.append(remote.remote(ticket, *args))
+        return refs
+
+    def poll(self, method: str, ranks: Optional[Sequence[int]] = None) -> List[Any]:
+        """Start a poll (``node_info``, ``free_port``, ``progress``): answered even during a step."""
+        ranks = range(self.num_workers) if ranks is None else ranks
+        return [getattr(self.actors[r], method).remote() for r in ranks]
 
     def _check_usable(self) -> None:
         if self.failed is not None:
@@ -196,30 +160,37 @@ class WorkerGroup:
                                "FailureConfig(max_failures>0) and CheckpointConfig(every_steps=...))")
 
     def shutdown(self) -> None:
+        """Kill the actors and remove the placement group (no call of theirs is waited for)."""
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
-            except Exception:  # already dead
+            except Exception:  # noqa: BLE001 - already dead
                 pass
         self.actors = []
         if self.pg is not None:
             try:
                 remove_placement_group(self.pg)
-            except Exception:
+            except Exception:  # noqa: BLE001
                 pass
             self.pg = None
 
-    def wait_all(self, refs: List[Any], timeout_s: Optional[float], what: str) -> List[Any]:
-        """ray.get of one call per worker (refs in rank order), failing fast and saying who failed.
+    # --- results and failures ----------------------------------------------------------------
 
-        See [Note: failure detection]. Returns the results in order, or raises: the user's own
-        error (the worker's exception, traceback included), WorkerDiedError, CollectiveTimeoutError
-        or WorkerGroupError. After anything that leaves the workers out of step with each other
-        (a death, a hung collective, an error on some ranks while others still wait in a
-        collective) the group is shut down first, so nothing stays blocked.
+    def wait_all(self, refs: List[Any], timeout_s: Optional[float], what: str,
+                 ranks: Optional[Sequence[int]] = None) -> List[Any]:
+        """ray.get of one call per worker (refs in the order of ``ranks``, default all), failing fast
+        and saying who failed.
+
+        See [Note: failure detection]. Returns the results in order, or raises: the worker's own
+        error ([Note: worker errors on the driver] in failures.py), WorkerDiedError,
+        CollectiveTimeoutError or WorkerGroupError. After anything that leaves the workers out of
+        step with each other (a death, a hung collective, an error on some ranks while others
+        still wait in a collective) the group is shut down first, so nothing stays blocked. An
+        error every worker raised together (the engine's step outcome) leaves the group usable.
         """
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        rank_of = {ref: i for i, ref in enumerate(refs)}
+        rank_of = dict(zip(refs, ranks))
         results: Dict[int, Any] = {}
         errors: Dict[int, BaseException] = {}
         pending = list(refs)
@@ -242,36 +213,36 @@ class WorkerGroup:
                     if first_error_at is None:
                         first_error_at = time.monotonic()
         if not errors and not pending:
-            return [results[i] for i in range(len(refs))]
+            return [results[r] for r in ranks]
         self._fail(errors, [rank_of[r] for r in pending], what)
         raise AssertionError("unreachable")
 
     def _fail(self, errors: Dict[int, BaseException], pending: List[int], what: str) -> None:
         """Raise the error that explains a failed wait_all; see [Note: failure detection]."""
         kinds = {rank: classify_error(e) for rank, e in errors.items()}
-        dead = sorted(r for r, k in kinds.items() if k == "died")
+        dead = sorted(r for r, k in kinds.items() if k is ErrorKind.DIED)
         if dead:
             cause = errors[dead[0]]
-            message = (f"{what}: worker(s) {self._describe(dead)} died: {_first_line(cause)}. "
+            message = (f"{what}: worker(s) {self._describe(dead)} died: {first_line(cause)}. "
                        "The worker group was shut down; fit restarts from the last checkpoint when "
                        "FailureConfig(max_failures) allows it")
             self._tear_down(message)
             raise WorkerDiedError(message, dead, cause) from cause
-        users = sorted(r for r, k in kinds.items() if k == "user")
+        users = sorted(r for r, k in kinds.items() if k in (ErrorKind.USER, ErrorKind.PEER_STEP))
         if users:
-            # The user's own error, as it is (its type and the worker's traceback). Errors of the
-            # other ranks (timeouts waiting for the failed one) are consequences of it.
-            error = errors[users[0]]
+            # The failing worker's own error; the others' PeerStepErrors only say that it failed.
+            own = [r for r in users if kinds[r] is ErrorKind.USER] or users
+            error = worker_error(errors[own[0]], f"worker {self._describe(own[:1])[1:-1]} during {what}")
             stuck = sorted(set(pending) | (set(errors) - set(users)))
             if stuck:  # they wait (or timed out waiting) in a collective for the failed ranks
-                message = f"worker(s) {users} raised during {what} while worker(s) {stuck} waited in a collective"
+                message = f"worker(s) {own} raised during {what} while worker(s) {stuck} waited in a collective"
                 self._tear_down(message)
                 error.add_note(f"zeroray: {message}, so the worker group was shut down: build a new Trainer "
                                "or zr.Trainer.restore(...) from a checkpoint")
             raise error
         broken = sorted(errors)  # every error is a broken connection or a timed-out collective
         late = self._late_ranks(pending)
-        timed_out = [r for r in broken if kinds[r] == "timeout"]
+        timed_out = [r for r in broken if kinds[r] is ErrorKind.TIMEOUT]
         cause = errors[broken[0]] if broken else None
         if timed_out or not errors:  # not errors: nothing came back before the driver's deadline
             waited = f"; worker(s) {self._describe(timed_out)} waited for them and timed out" if timed_out else ""
@@ -283,7 +254,7 @@ class WorkerGroup:
             self._tear_down(message)
             raise CollectiveTimeoutError(message, late, cause) from cause
         message = (f"{what}: worker(s) {self._describe(broken)} lost the connection to a peer "
-                   f"({_first_line(cause)}); worker(s) {self._describe(late) if late else '(unknown)'} "
+                   f"({first_line(cause)}); worker(s) {self._describe(late) if late else '(unknown)'} "
                    "probably died or became unreachable. The worker group was shut down")
         self._tear_down(message)
         raise WorkerGroupError(message, late, cause) from cause
@@ -313,7 +284,7 @@ class WorkerGroup:
     def _describe(self, ranks: Sequence[int]) -> str:
         where = []
         for r in ranks:
-            node = self.nodes[r] if r < len(getattr(self, "nodes", [])) else None
+            node = self.nodes[r] if r < len(self.nodes) else None
             where.append(f"{r} (pid {node['pid']} on {node['ip']})" if node else str(r))
         return "[" + ", ".join(where) + "]"
 
@@ -321,12 +292,3 @@ class WorkerGroup:
         log.warning("zeroray: %s; shutting the worker group down", reason)
         self.failed = reason
         self.shutdown()
-
-
-def _first_line(error: Optional[BaseException]) -> str:
-    if error is None:
-        return "no error"
-    cause = getattr(error, "cause", None)
-    text = str(cause if cause is not None else error).strip()
-    first = text.splitlines()[0].rstrip(". ") if text else ""
-    return f"{type(cause if cause is not None else error).__name__}: {first}"

@@ -1,0 +1,380 @@
+"""The driver's state machine: ``Controller`` owns the worker group and everything the trainer knows.
+
+[Note: trainer states]
+One ``Controller`` per ``zr.Trainer`` (Ray Train v2's controller is the model). Its state says
+what the trainer is doing, and each transition is one of its methods:
+
+    IDLE -> STEPPING -> IDLE                                step()
+    IDLE -> FITTING (-> RECOVERING -> FITTING)* -> IDLE     begin_fit(), recover(), end_fit()
+    IDLE -> RESIZING -> IDLE                                resize()
+    any  -> CLOSED                                          close() (or a recovery that could not restart)
+
+A call that its state does not allow (``step`` from inside a ``fit`` callback, anything after
+``close``) is a ``RuntimeError`` that says what the trainer is doing. The failure and scaling
+policies (policy.py) return decisions to ``recover``, which acts on them. ``fit`` (fit_loop.py)
+and Ray Data input (data.py) drive it through these public methods: ``submit_step`` /
+``submit_local_step`` send a step without waiting, ``finish_step`` collects it, ``discard``
+drops steps that must not count; ``in_flight`` says how many were sent and not yet collected.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import ray
+
+from zeroray.arena import FlatLayout
+from zeroray.config import ScalingConfig, ZeroConfig
+from zeroray.engine import batch_size, batch_structure, split_batch, structure_changed
+from zeroray.runtime.batch_transport import PackedBatch
+from zeroray.runtime.code_shipping import ship_by_value
+from zeroray.runtime.failures import PlacementError, WorkerSetupError, is_worker_failure
+from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
+from zeroray.runtime.sequencer import Cancelled
+from zeroray.runtime.step import PendingStep, StepResult
+from zeroray.runtime.worker_group import WorkerGroup
+
+log = logging.getLogger("zeroray")
+
+
+class TrainerState(enum.Enum):
+    """What the trainer is doing; see [Note: trainer states]."""
+
+    IDLE = "idle"
+    STEPPING = "stepping"
+    FITTING = "fitting"
+    RECOVERING = "recovering"
+    RESIZING = "resizing"
+    CLOSED = "closed"
+
+
+_ALLOWED = {
+    TrainerState.IDLE: {TrainerState.STEPPING, TrainerState.FITTING, TrainerState.RESIZING},
+    TrainerState.STEPPING: {TrainerState.IDLE},
+    TrainerState.FITTING: {TrainerState.RECOVERING, TrainerState.IDLE},
+    TrainerState.RECOVERING: {TrainerState.FITTING},
+    TrainerState.RESIZING: {TrainerState.IDLE},
+    TrainerState.CLOSED: set(),
+}
+
+
+class GroupSlot:
+    """The one live WorkerGroup of a trainer; what the trainer's finalizer releases."""
+
+    def __init__(self) -> None:
+        self.group: Optional[WorkerGroup] = None
+
+    def release(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.shutdown()
+
+
+class Controller:
+    """Owns the worker group, the step count, the data position and the last checkpoint; every
+    change of what the trainer is doing goes through one of its methods ([Note: trainer states])."""
+
+    def __init__(self, spec: Dict[str, Any], scaling: ScalingConfig, zero: ZeroConfig) -> None:
+        self.spec, self.scaling, self.zero = spec, scaling, zero
+        self.slot = GroupSlot()
+        self.state = TrainerState.IDLE
+        self.step_count = 0
+        self.data_position = 0                     # global batches consumed from fit's data
+        self.last_checkpoint: Optional[str] = None
+        self.last_recovery_s: Optional[float] = None  # fit: seconds from a worker failure to resuming
+        self.recoveries: List[Dict[str, Any]] = []    # fit: one record per restart (cause, timing, size)
+        self.in_flight = 0                         # steps sent and not yet collected
+        self._structure = None                     # the batch structure of the first step
+        self._fit_origin = (0, 0)                  # (step_count, data_position) where this fit began
+        ship_by_value(spec)  # before the first actor: [Note: shipping model code]
+        self._start(scaling.num_workers)
+
+    # --- the group -------------------------------------------------------------------------
+
+    @property
+    def group(self) -> WorkerGroup:
+        if self.slot.group is None:
+            raise RuntimeError("this Trainer was shut down: build a new one (or zr.Trainer.restore(...))")
+        return self.slot.group
+
+    @property
+    def num_workers(self) -> int:
+        return self.group.num_workers
+
+    def _start(self, num_workers: int) -> None:
+        self._adopt(WorkerGroup(self.spec, num_workers, self.scaling))
+
+    def _adopt(self, group: WorkerGroup) -> None:
+        self.slot.group = group
+        info = group.setup_info[0]
+        self.layout = FlatLayout.from_dict(info["layout"])
+        self.state_dict_keys: List[str] = info["state_dict_keys"]
+
+    def _enter(self, state: TrainerState) -> None:
+        if state not in _ALLOWED[self.state]:
+            if self.state is TrainerState.CLOSED:
+                raise RuntimeError("this Trainer was shut down: build a new one (or zr.Trainer.restore(...))")
+            raise RuntimeError(f"cannot start {state.value} while the Trainer is {self.state.value}: "
+                               "wait until that returns (a Trainer does one thing at a time)")
+        self.state = state
+
+    def _leave(self, state: TrainerState, to: TrainerState = TrainerState.IDLE) -> None:
+        if self.state is state:
+            self.state = to
+
+    def close(self) -> None:
+        """Release the actors and the placement group (any state -> CLOSED). Safe to call twice."""
+        self.state = TrainerState.CLOSED
+        self.in_flight = 0
+        self.slot.release()
+
+    # --- steps -----------------------------------------------------------------------------
+
+    def step(self, batch: Any) -> StepResult:
+        """One step on a global batch, collected before returning (IDLE -> STEPPING -> IDLE)."""
+        self._enter(TrainerState.STEPPING)
+        try:
+            return self.finish_step(self.submit_step(batch))
+        finally:
+            self._leave(TrainerState.STEPPING)
+
+    def _check_batch(self, batch: Any) -> None:
+        structure = batch_structure(batch)
+        if self._structure is not None and structure != self._structure:
+            raise ValueError(structure_changed(self.step_count + self.in_flight, self._structure, structure))
+        size = batch_size(batch)
+        parts = self.num_workers * self.zero.grad_accum_steps
+        if size % parts:
+            raise ValueError(
+                f"the global batch has {size} rows, which does not split evenly over {self.num_workers} worker(s)"
+                f" x {self.zero.grad_accum_steps} micro-batch(es): use a batch size divisible by {parts}")
+        self._structure = structure
+
+    def _require_stepping(self) -> None:
+        if self.state not in (TrainerState.STEPPING, TrainerState.FITTING):
+            raise RuntimeError(f"steps are sent by step() or fit(), not while the Trainer is {self.state.value}")
+
+    def submit_step(self, batch: Any, *, after_ok: bool = False, tokens: Optional[int] = None) -> PendingStep:
+        """Send one step on a global batch to every worker without waiting for it.
+
+        ``after_ok``: the step runs only if the call sent before it succeeded (a step queued
+        behind another is dropped when that one fails; see sequencer.py)."""
+        self._require_stepping()
+        self._check_batch(batch)
+        shards = [PackedBatch(s) for s in split_batch(batch, self.num_workers)]  # [Note: batch transport]
+        submitted = time.time()
+        refs = self.group.call_each("train_step", [(s,) for s in shards], after_ok=after_ok)
+        self.in_flight += 1
+        return PendingStep(refs, submitted, self.step_count + self.in_flight, tokens)
+
+    def submit_local_step(self, *, after_ok: bool = False, tokens: Optional[int] = None) -> PendingStep:
+        """Send one step on every worker's next batch of its attached Ray Data split (data.py)."""
+        self._require_stepping()
+        submitted = time.time()
+        refs = self.group.call("train_next", after_ok=after_ok)
+        self.in_flight += 1
+        return PendingStep(refs, submitted, self.step_count + self.in_flight, tokens)
+
+    def finish_step(self, pending: PendingStep) -> Optional[StepResult]:
+        """Wait for a sent step. Its StepResult; None when it did not run (its split had run out,
+        or it was cancelled). Raises what the step raised (see worker_group.wait_all)."""
+        try:
+            outs = self.group.wait_all(pending.refs, self.zero.collective_timeout_s + 60,
+                                       f"step {pending.number - 1}")
+        finally:
+            self.in_flight -= 1
+        ran = [o is not None and not isinstance(o, Cancelled) for o in outs]
+        if not any(ran):
+            return None
+        if not all(ran):  # equal=True splits and the step outcome make this impossible
+            raise RuntimeError(f"step {pending.number - 1} ran on some workers only: {outs}")
+        result = PendingStep.combine(outs)
+        self.step_count = result.step
+        result.timeline = {"submit": pending.submitted_at, **outs[0]["hops"], "receive": time.time()}
+        return result
+
+    def discard(self, pending: Sequence[PendingStep], timeout_s: float = 10.0) -> None:
+        """Forget steps sent behind a failed one: they were cancelled, or their group is gone.
+        Waits for them briefly, so none is still queued when the caller goes on."""
+        refs = [ref for p in pending for ref in p.refs]
+        self.in_flight = max(0, self.in_flight - len(pending))
+        if refs:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - the failed step's error was raised already
+                    pass
+
+    # --- fit -------------------------------------------------------------------------------
+
+    def begin_fit(self, skip: Optional[int]) -> None:
+        """IDLE -> FITTING: the fit's data starts at ``skip`` (default: the current data position)."""
+        self._enter(TrainerState.FITTING)
+        self.data_position = self.data_position if skip is None else skip
+        self._fit_origin = (self.step_count, self.data_position)
+
+    def end_fit(self) -> None:
+        """FITTING -> IDLE (also after fit raised)."""
+        self._leave(TrainerState.FITTING)
+
+    def recover(self, error: BaseException, failures: FailurePolicy, scaling: ScalingPolicy,
+                note: Callable[[str], None]) -> None:
+        """FITTING -> RECOVERING -> FITTING: ask the FailurePolicy; raise, or rebuild the group
+        (of the size the ScalingPolicy decides) and load the last checkpoint.
+
+        The group already tore itself down when it raised (see [Note: failure detection] in
+        worker_group.py). A failure while restarting (another worker dies) counts as one more.
+        """
+        detected = time.monotonic()
+        self._enter(TrainerState.RECOVERING)
+        try:
+            while True:
+                decision = failures.on_failure(error, user_error=not is_worker_failure(error))
+                if decision.action is Action.RAISE:
+                    if failures.exhausted:
+                        raise RuntimeError(f"training failed: {decision.reason}; original cause: "
+                                           f"{type(error).__name__}: {error}") from error
+                    raise error  # user code or input: the worker's own error, as it is
+                note(f"zeroray: {decision.reason}; restarting from "
+                     f"{self.last_checkpoint or 'the initial weights (no checkpoint yet)'}")
+                try:
+                    timings = self._restart(scaling, decision.reason, note)
+                    break
+                except Exception as again:  # noqa: BLE001
+                    if not is_worker_failure(again):
+                        raise
+                    error = again
+        except BaseException:
+            self.state = TrainerState.FITTING if self.slot.group is not None else TrainerState.CLOSED
+            raise
+        self._leave(TrainerState.RECOVERING, TrainerState.FITTING)
+        resumed = time.monotonic()
+        self.last_recovery_s = resumed - detected
+        self.recoveries.append({"cause": f"{type(error).__name__}: {error}", "detected_at": detected,
+                                "resumed_at": resumed, "seconds": resumed - detected, "step": self.step_count,
+                                "num_workers": self.num_workers, **timings})
+        note(f"zeroray: resumed at step {self.step_count} with {self.num_workers} worker(s), "
+             f"{self.last_recovery_s:.1f} s after the failure was detected")
+
+    def _restart(self, scaling: ScalingPolicy, reason: str, note: Callable[[str], None]) -> Dict[str, float]:
+        """Tear the group down, start one of the size the cluster offers, load the last checkpoint.
+        Returns the seconds spent in each phase."""
+        t0 = time.monotonic()
+        self.slot.release()
+        self.in_flight = 0
+        decision = scaling.on_restart(*_free_resources(scaling))
+        if decision.action is Action.RESIZE:
+            note(f"zeroray: {decision.reason}")
+        self._structure = None
+        t1 = time.monotonic()
+        self._start(decision.num_workers)
+        t2 = time.monotonic()
+        timings = {"teardown_s": t1 - t0, "start_s": t2 - t1, **self.group.timings}
+        origin_step, origin_position = self._fit_origin
+        if self.last_checkpoint is not None:
+            self.load(self.last_checkpoint)
+            if self.step_count < origin_step:
+                raise RuntimeError(f"a worker failed ({reason}) and the last checkpoint ({self.last_checkpoint}, "
+                                   f"step {self.step_count}) is older than this fit, which began at step "
+                                   f"{origin_step}: the steps in between cannot be replayed. Save before fit, or set "
+                                   "CheckpointConfig(path=..., every_steps=...) so fit can recover.")
+            # One global batch per step since fit began; a checkpoint from before this fit recorded
+            # its position in other data, so the position is counted from the fit's origin.
+            self.data_position = origin_position + self.step_count - origin_step
+        else:
+            if origin_step != 0:
+                raise RuntimeError(f"a worker failed ({reason}) and there is no checkpoint to resume from: the run "
+                                   f"had already trained {origin_step} steps before fit began. Set "
+                                   "CheckpointConfig(path=..., every_steps=...) so fit can recover.")
+            # No checkpoint yet: the fresh workers hold the initial weights (same seed); start over.
+            self.step_count = 0
+            self.data_position = origin_position
+        timings["restore_s"] = time.monotonic() - t2
+        return timings
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def save(self, root: str, keep: Optional[int]) -> str:
+        """Every worker writes its shard in parallel, then the driver commits the manifest."""
+        from zeroray.checkpoint import commit
+
+        if self.state not in (TrainerState.IDLE, TrainerState.FITTING):
+            raise RuntimeError(f"cannot save while the Trainer is {self.state.value}")
+        group = self.group
+        outs = group.wait_all(group.call("save_shard", root, self.step_count), None, "save")
+        infos = [o[0] for o in outs] + [o[1] for o in outs if o[1] is not None]
+        fields = {"layout": self.layout, "world_size": self.num_workers, "data_position": self.data_position,
+                  "config": {"zero": repr(self.zero), "scaling": repr(self.scaling), "seed": self.spec["seed"]},
+                  "extra": {"state_dict_keys": self.state_dict_keys}}
+        self.last_checkpoint = commit(root, self.step_count, fields, infos, keep=keep)
+        return self.last_checkpoint
+
+    def load(self, path: str) -> None:
+        """Every worker reads its slices of the checkpoint at ``path`` (a root or a step directory)."""
+        from zeroray.checkpoint import load_manifest
+
+        manifest = load_manifest(path)
+        step_dir = manifest.source or path  # every worker reads the same step, even if a save lands now
+        group = self.group
+        steps = group.wait_all(group.call("load_checkpoint", step_dir), None, "restore")
+        self.step_count = steps[0]
+        self.data_position = int(manifest.data_position or 0)
+        self.last_checkpoint = step_dir
+
+    # --- resize ----------------------------------------------------------------------------
+
+    def resize(self, num_workers: int) -> None:
+        """IDLE -> RESIZING -> IDLE: the same training state on ``num_workers`` new workers.
+
+        The new workers are placed and built while the old ones still hold the state; only once
+        every new worker has loaded its shard are the old ones released ([Note: resize transfer]
+        in state_transfer.py). If the new workers cannot be placed or built, the trainer goes on
+        with its old workers and the error says so."""
+        ScalingConfig(num_workers=num_workers)  # validates
+        self._enter(TrainerState.RESIZING)
+        try:
+            old = self.group
+            scaling = ScalingConfig(**{**vars(self.scaling), "num_workers": num_workers,
+                                       "min_workers": min(self.scaling.min_workers or num_workers, num_workers)})
+            try:
+                new = WorkerGroup(self.spec, num_workers, scaling)
+            except (PlacementError, WorkerSetupError) as error:
+                raise type(error)(
+                    f"resize({num_workers}) did not happen, and the Trainer goes on with its {old.num_workers} "
+                    f"worker(s), unchanged: {error}\nA resize starts the new workers before it releases the old "
+                    "ones, so the cluster must hold both at once; to move into the same resources instead, save() "
+                    "and zr.Trainer.restore(path, ..., scaling=zr.ScalingConfig(num_workers=...))") from error
+            try:
+                steps = self._move_state(old, new)
+            except BaseException:
+                new.shutdown()
+                raise
+            old.shutdown()
+            self._adopt(new)
+            self.scaling = scaling
+            self.step_count = steps[0]
+        finally:
+            self._leave(TrainerState.RESIZING)
+
+    def _move_state(self, old: WorkerGroup, new: WorkerGroup) -> List[int]:
+        """Every old worker's pieces straight to the new workers that own them; see [Note: resize transfer]."""
+        targets = [info["state_layout"] for info in new.setup_info]
+        m = new.num_workers
+        per_old = old.call("export_pieces", targets, num_returns=m + 1)  # per old rank: m pieces, then a record
+        old.wait_all([refs[m] for refs in per_old], None, "resize: export the old shards")
+        return new.wait_all(new.call_each("load_pieces", [([refs[j] for refs in per_old],) for j in range(m)]),
+                            None, "resize: load the new shards")
+
+
+def _free_resources(scaling: ScalingPolicy, wait_s: float = 3.0) -> Tuple[float, float]:
+    """Free CPUs and GPUs, after giving Ray a moment to return the torn-down group's bundles."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        free = ray.available_resources()
+        cpus, gpus = free.get("CPU", 0.0), free.get("GPU", 0.0)
+        if scaling.fits(cpus, gpus) >= scaling.target or time.monotonic() >= deadline:
+            return cpus, gpus
+        time.sleep(0.1)

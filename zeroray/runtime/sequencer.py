@@ -1,0 +1,68 @@
+"""One engine call at a time, in the order the driver sent them: tickets and the worker's sequencer.
+
+[Note: one engine call at a time]
+The worker actor is threaded (Ray Train v2's pattern), so it answers the driver's health and
+progress polls while a step runs. Ray gives no order between calls queued on a threaded actor,
+yet ``fit`` keeps the next step queued behind the current one, and a save must run after the
+step it saves. So the driver numbers every call that touches the engine, per worker (a
+``Ticket``), and the worker's ``Sequencer`` runs them strictly in that order, one at a time;
+only the polls bypass it. A ticket with ``after_ok`` runs only if the call before it succeeded:
+that is how a step queued behind a failing step is dropped (it returns ``Cancelled`` and never
+touches the engine) instead of training on after the error. Every number the driver hands out
+must reach the worker, or the calls behind it wait forever; a group whose calls fail to reach
+its workers is torn down (worker_group.py), which ends every waiting call with it.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A call's place in its worker's sequence; see [Note: one engine call at a time]."""
+
+    seq: int
+    after_ok: bool = False  # run only if the call numbered seq - 1 succeeded
+
+
+class Cancelled:
+    """What a call returns when it did not run because the call before it failed (``after_ok``)."""
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+
+    def __repr__(self) -> str:
+        return f"Cancelled(seq={self.seq})"
+
+
+class Sequencer:
+    """Runs calls in ticket order, one at a time, on whichever thread Ray delivered each to."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition()
+        self._next = 0          # the ticket whose turn it is
+        self._last_ok = True    # whether the call before it succeeded
+        self.busy = False       # a call is running now (what progress polls report)
+
+    def run(self, ticket: Ticket, call: Callable[[], Any]) -> Any:
+        with self._turn:
+            if ticket.seq < self._next:
+                raise RuntimeError(f"call number {ticket.seq} arrived after call {self._next - 1} ran: "
+                                   "the driver numbered two calls alike (a zeroray bug)")
+            self._turn.wait_for(lambda: self._next == ticket.seq)
+            self.busy = True
+        ok = False
+        try:
+            if ticket.after_ok and not self._last_ok:
+                return Cancelled(ticket.seq)
+            result = call()
+            ok = True
+            return result
+        finally:
+            with self._turn:
+                self._last_ok = ok
+                self._next += 1
+                self.busy = False
+                self._turn.notify_all()

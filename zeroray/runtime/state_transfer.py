@@ -1,0 +1,100 @@
+"""Resize without disk: each old worker cuts its shard into one piece per new worker, each new
+worker assembles its shard from those pieces.
+
+[Note: resize transfer]
+A resize from N to M workers builds the M new workers next to the N old ones (the controller
+places them first, so a placement failure leaves the trainer as it was). Then every old rank
+``r`` exports its state once and returns M objects (``Worker.export_pieces``, one Ray object
+per new rank): piece ``(r, j)`` holds exactly the slices of ``r``'s shard that new rank ``j``
+owns, found with the pure range math of ``zeroray.checkpoint.reshard.plan``, and, from the
+old rank that new rank ``j`` takes them from (``min(j, N - 1)``, as a restore does), the
+per-rank scalars and unsharded tensors. New rank ``j`` then fetches its N pieces one at a
+time (``Worker.load_pieces``), copies each into place and drops it before fetching the next.
+So an old worker holds its own state and one copy of it in pieces, and a new worker its own
+state, the shard it assembles and one piece: O(model / N + model / M), never the whole
+model. The pieces' bulk tensors travel as numpy arrays (pickle protocol 5, zero-copy in
+Ray's object store); the old workers stay alive until every new one has loaded.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from zeroray.arena import FlatLayout
+from zeroray.checkpoint import is_sharded_key, plan
+
+
+def _wire(t: torch.Tensor) -> Any:
+    """A flat CPU tensor as a numpy array (zero-copy through Ray); as itself where numpy has no dtype."""
+    try:
+        return t.detach().cpu().contiguous().numpy()
+    except TypeError:  # bfloat16 and other dtypes numpy lacks
+        return t.detach().cpu().contiguous()
+
+
+def _tensor(data: Any) -> torch.Tensor:
+    """A read-only view of what ``_wire`` sent (only ever copied from)."""
+    if isinstance(data, torch.Tensor):
+        return data
+    with warnings.catch_warnings():  # Ray's buffers are read-only; this view is only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
+
+
+def cut_pieces(old_layout: FlatLayout, old_rank: int, tensors: Mapping[str, torch.Tensor],
+               scalars: Dict[str, Any], targets: Sequence[Tuple[Dict[str, Any], int]]) -> List[Dict[str, Any]]:
+    """Old rank ``old_rank``'s piece for every new worker; see [Note: resize transfer].
+
+    ``tensors``/``scalars``: this rank's ``Engine.export_state()`` (shard coordinates of
+    ``old_layout``). ``targets[j]``: new worker ``j``'s ``Engine.state_layout()`` as
+    ``(layout dict, rank)``, the coordinates its ``import_state`` expects."""
+    sharded = {k: v for k, v in tensors.items() if is_sharded_key(k, v, old_layout.shard_numel)}
+    others = {k: v for k, v in tensors.items() if k not in sharded}
+    pieces = []
+    for layout_dict, rank in targets:
+        new_layout = FlatLayout.from_dict(layout_dict)
+        copies = [c for c in plan(old_layout, new_layout, rank) if c.src_rank == old_rank]
+        piece: Dict[str, Any] = {
+            "copies": [(c.src_start, c.src_end, c.dst_start) for c in copies],
+            "tensors": {k: _wire(torch.cat([v[c.src_start:c.src_end] for c in copies]) if copies else v[:0])
+                        for k, v in sharded.items()}}
+        if min(rank, old_layout.world_size - 1) == old_rank:  # where new rank `rank` takes per-rank values
+            piece["scalars"] = scalars
+            piece["rank_tensors"] = {k: v.detach().cpu().clone() for k, v in others.items()}
+        pieces.append(piece)
+    return pieces
+
+
+class PieceAssembler:
+    """Builds one new worker's state from the old workers' pieces, one piece at a time."""
+
+    def __init__(self, new_layout: FlatLayout) -> None:
+        self.shard_numel = new_layout.shard_numel
+        self.tensors: Dict[str, torch.Tensor] = {}  # key -> this rank's flat shard (1-D)
+        self.scalars: Dict[str, Any] = {}
+        self._has_scalars = False
+
+    def add(self, piece: Mapping[str, Any]) -> None:
+        for key, data in piece["tensors"].items():
+            flat = _tensor(data)
+            dst = self.tensors.get(key)
+            if dst is None:
+                dst = self.tensors[key] = torch.zeros(self.shard_numel, dtype=flat.dtype)
+            offset = 0
+            for src_start, src_end, dst_start in piece["copies"]:
+                n = src_end - src_start
+                dst[dst_start:dst_start + n].copy_(flat[offset:offset + n])
+                offset += n
+        if "scalars" in piece:
+            self.scalars = piece["scalars"]
+            self.tensors.update(piece["rank_tensors"])
+            self._has_scalars = True
+
+    def state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+        """(tensors, scalars) for ``Engine.import_state``."""
+        if not self._has_scalars:
+            raise RuntimeError("resize: no old worker sent this rank its step count and per-rank state")
+        return self.tensors, self.scalars

@@ -1,0 +1,45 @@
+"""A training step seen from the driver: in flight (``PendingStep``) and done (``StepResult``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step returned: the global loss, the grad norm, the step number.
+
+    ``timeline``: when the step passed each hop, ``time.time()`` seconds: the driver's
+    ``submit``, rank 0's ``actor_start`` (the call arrived), ``engine_start`` (its turn came),
+    ``engine_end``, and the driver's ``receive`` (benchmarks/ray_overhead.py reads them).
+    """
+
+    loss: float            # mean over the global batch
+    grad_norm: float       # global L2 norm before clipping
+    step: int              # optimizer steps taken so far (this one included)
+    skipped: bool = False  # fp16 overflow: the update was skipped on every worker
+    loss_scale: Optional[float] = None
+    step_time_s: float = 0.0
+    timeline: Optional[Dict[str, float]] = field(default=None, repr=False, compare=False)
+
+
+@dataclass
+class PendingStep:
+    """A step sent to every worker whose results were not collected yet (Controller.finish_step).
+
+    ``refs``: one object ref per worker, rank order. ``tokens``: elements of the largest tensor
+    of the global batch (progress's tokens/s), when known.
+    """
+
+    refs: List[Any]
+    submitted_at: float
+    number: int                  # the step count this step ends at, if it runs
+    tokens: Optional[int] = None
+
+    @staticmethod
+    def combine(results: List[Dict[str, Any]]) -> StepResult:
+        """The StepResult of the workers' per-rank results."""
+        r0 = results[0]
+        return StepResult(loss=sum(r["loss"] for r in results) / len(results), grad_norm=r0["grad_norm"],
+                          step=r0["step"], skipped=r0["skipped"], loss_scale=r0["loss_scale"],
+                          step_time_s=max(r["time_s"] for r in results))
