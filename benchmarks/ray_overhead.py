@@ -214,7 +214,10 @@ def main(argv=None) -> int:
     print(f"in fit (steps pipelined): engine {engine_fit * 1e3:.3f} ms per step, the worker idle between "
           f"two steps {statistics.median(gaps) * 1e3:.3f} ms (median), "
           f"the next call queued before the current step ended in {len(gaps)} of {len(fit_timelines) - 1}")
-    print(f"  fit per step / the engine's own time in fit: {mf / engine_fit:.3f} (the pipeline's bubble)")
+    period = statistics.median(b["engine_start"] - a["engine_start"] for a, b in zip(fit_timelines, fit_timelines[1:])
+                               if b["submit"] < a["engine_end"])
+    print(f"  the worker's step period in fit {period * 1e3:.3f} ms = {period / engine_fit:.3f} x its engine time "
+          f"there, {period / me:.3f} x the engine in-process")
     for row in ("step", "fit"):
         per = cpu[row].per_step
         print(f"CPU per step in {row}: driver {statistics.median(per['driver']) * 1e3:.2f} ms, worker actor "

@@ -182,7 +182,7 @@ class Controller:
         or it was cancelled). Raises what the step raised (see worker_group.wait_all)."""
         try:
             outs = self.group.wait_all(pending.refs, self.zero.collective_timeout_s + 60,
-                                       f"step {pending.number - 1}")
+                                       f"step {pending.number - 1}", lockstep=True)
         finally:
             self.in_flight -= 1
         ran = [o is not None and not isinstance(o, Cancelled) for o in outs]

@@ -177,7 +177,7 @@ class WorkerGroup:
     # --- results and failures ----------------------------------------------------------------
 
     def wait_all(self, refs: List[Any], timeout_s: Optional[float], what: str,
-                 ranks: Optional[Sequence[int]] = None) -> List[Any]:
+                 ranks: Optional[Sequence[int]] = None, lockstep: bool = False) -> List[Any]:
         """ray.get of one call per worker (refs in the order of ``ranks``, default all), failing fast
         and saying who failed.
 
@@ -187,6 +187,8 @@ class WorkerGroup:
         step with each other (a death, a hung collective, an error on some ranks while others
         still wait in a collective) the group is shut down first, so nothing stays blocked. An
         error every worker raised together (the engine's step outcome) leaves the group usable.
+        ``lockstep``: the calls are one collective step, so a user error on some workers while
+        others succeeded also leaves them out of step (one applied the step, one did not).
         """
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -214,10 +216,11 @@ class WorkerGroup:
                         first_error_at = time.monotonic()
         if not errors and not pending:
             return [results[r] for r in ranks]
-        self._fail(errors, [rank_of[r] for r in pending], what)
+        self._fail(errors, [rank_of[r] for r in pending], what, sorted(results) if lockstep else [])
         raise AssertionError("unreachable")
 
-    def _fail(self, errors: Dict[int, BaseException], pending: List[int], what: str) -> None:
+    def _fail(self, errors: Dict[int, BaseException], pending: List[int], what: str,
+              succeeded: Sequence[int] = ()) -> None:
         """Raise the error that explains a failed wait_all; see [Note: failure detection]."""
         kinds = {rank: classify_error(e) for rank, e in errors.items()}
         dead = sorted(r for r, k in kinds.items() if k is ErrorKind.DIED)
@@ -234,8 +237,10 @@ class WorkerGroup:
             own = [r for r in users if kinds[r] is ErrorKind.USER] or users
             error = worker_error(errors[own[0]], f"worker {self._describe(own[:1])[1:-1]} during {what}")
             stuck = sorted(set(pending) | (set(errors) - set(users)))
-            if stuck:  # they wait (or timed out waiting) in a collective for the failed ranks
-                message = f"worker(s) {own} raised during {what} while worker(s) {stuck} waited in a collective"
+            if stuck or succeeded:  # they wait (or timed out waiting) in a collective, or went on without them
+                message = (f"worker(s) {own} raised during {what} while worker(s) {stuck} waited in a collective"
+                           if stuck else f"worker(s) {own} raised during {what} while worker(s) {list(succeeded)} "
+                           "completed it")
                 self._tear_down(message)
                 error.add_note(f"zeroray: {message}, so the worker group was shut down: build a new Trainer "
                                "or zr.Trainer.restore(...) from a checkpoint")
