@@ -11,14 +11,8 @@ import torch
 import zeroray as zr
 from tests.models import VOCAB, lm_loss, make_batches, parity_model, reference_run
 from zeroray.checkpoint import CheckpointError
-from zeroray.engine import Engine
 from zeroray.runtime.failures import WorkerTraceback
 
-# The engine with the step outcome protocol (zeroray/errors.py: a step applies on every worker or
-# on none; the others raise PeerStepError) is the rewrite that also brings Engine.fetch_stats().
-# Before it, a worker whose loss_fn raises alone leaves its peers waiting in a collective, and the
-# driver has to tear the group down (test_bad_input.py checks that path).
-STEP_OUTCOME = hasattr(Engine, "fetch_stats")
 RAISE_MARK = VOCAB - 3
 OPT = dict(lr=1e-2, weight_decay=0.1)
 
@@ -49,7 +43,6 @@ def test_a_damaged_shard_is_the_checkpoints_own_error_from_the_worker_that_read_
     assert isinstance(error.__cause__, WorkerTraceback) and "load_resharded" in str(error.__cause__)
 
 
-@pytest.mark.skipif(not STEP_OUTCOME, reason="needs the engine's step outcome protocol (zeroray/errors.py)")
 def test_one_workers_error_is_raised_and_the_next_step_works(ray_local):
     batches = make_batches(3)
     idx, tgt = batches[1]
