@@ -46,15 +46,23 @@ class _StagedHandle:
         self.inner, self.copies = inner, copies  # (device destination, host source)
 
     def wait(self) -> None:
+        self.wait_for(None)
+
+    def wait_for(self, timeout_s: Optional[float]) -> bool:
         if self.inner is None:
-            return
-        self.inner.wait()
+            return True
+        if timeout_s is None:
+            self.inner.wait()
+        elif not self.inner.wait_for(timeout_s):
+            return False
         with torch.no_grad():
             for device_out, host_out in self.copies:
                 device_out.copy_(host_out)
         self.inner, self.copies = None, []
+        return True
 
     def is_completed(self) -> bool:
+        """Done once wait() copied the results back (the device tensors hold them only then)."""
         return self.inner is None
 
 
@@ -69,6 +77,9 @@ class HostStagedGroup(Group):
     def __init__(self, inner: Group) -> None:
         self.inner = inner
         self.rank, self.world_size, self.counter = inner.rank, inner.world_size, inner.counter
+        # The host group's ordering and waiting properties, and its signals, are this group's.
+        self.independent_channels, self.blocking_waits = inner.independent_channels, inner.blocking_waits
+        self.signal, self.signalled, self.clear_signal = inner.signal, inner.signalled, inner.clear_signal
 
     @staticmethod
     def _finish(inner: Handle, copies, async_op: bool) -> Handle:
@@ -77,23 +88,23 @@ class HostStagedGroup(Group):
             handle.wait()
         return handle
 
-    def all_gather(self, out, inp, async_op=False):
+    def all_gather(self, out, inp, async_op=False, **order):  # order: channel, control (passed on)
         host_out = torch.empty(out.shape, dtype=out.dtype)
         # inp may be a view into out (an in-place gather): it is copied before anything is written.
-        inner = self.inner.all_gather(host_out, _host(inp), async_op=True)
+        inner = self.inner.all_gather(host_out, _host(inp), async_op=True, **order)
         return self._finish(inner, [(out, host_out)], async_op)
 
-    def reduce_scatter(self, out, inp, async_op=False, scratch: Optional[torch.Tensor] = None):
+    def reduce_scatter(self, out, inp, async_op=False, scratch: Optional[torch.Tensor] = None, **order):
         # The caller's scratch (sized by scratch_numel, 0 here) is never used: the host needs its own.
         numel = self.inner.scratch_numel(out.numel())
         host_scratch = torch.empty(numel, dtype=inp.dtype) if numel else None
         host_out = torch.empty(out.shape, dtype=out.dtype)
-        inner = self.inner.reduce_scatter(host_out, _host(inp), async_op=True, scratch=host_scratch)
+        inner = self.inner.reduce_scatter(host_out, _host(inp), async_op=True, scratch=host_scratch, **order)
         return self._finish(inner, [(out, host_out)], async_op)
 
-    def all_reduce(self, t, op="sum", async_op=False):
+    def all_reduce(self, t, op="sum", async_op=False, **order):
         host = _host(t)
-        return self._finish(self.inner.all_reduce(host, op, async_op=True), [(t, host)], async_op)
+        return self._finish(self.inner.all_reduce(host, op, async_op=True, **order), [(t, host)], async_op)
 
     def broadcast(self, t, src=0):
         host = _host(t)

@@ -110,6 +110,17 @@ class _Shipper:
                 and not os.path.realpath(file).startswith(tuple(self.library_dirs)))
         return self.verdicts[name]
 
+    def _carries_code(self, obj: Any) -> bool:
+        """Data worth looking inside: containers, partials, and instances of the user's classes or
+        zeroray's (a config holding a user's callable). A library's object (a framework's hook, a
+        loader) is pickled by reference to its class and is not walked: its attributes lead
+        anywhere (a whole test session)."""
+        kind = type(obj)
+        if kind.__module__ in ("builtins", "functools") or isinstance(obj, (functools.partial, types.MethodType)):
+            return True
+        module = sys.modules.get(kind.__module__)
+        return module is not None and (module.__name__.partition(".")[0] == "zeroray" or self.is_users(module))
+
     def register(self, module: types.ModuleType) -> None:
         import ray.cloudpickle
 
@@ -138,7 +149,7 @@ class _Shipper:
                 stack.extend(vars(module).values())  # everything its code may use
             if isinstance(obj, types.ModuleType):
                 continue
-            if module is None or by_value:  # code that travels by value, or data (configs, partials)
+            if by_value or (module is None and self._carries_code(obj)):  # code by value, or its data
                 stack.extend(_references(obj))
 
 
