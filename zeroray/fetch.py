@@ -166,9 +166,10 @@ class FetchCoordinator:
             self.wait(handle)
         self._dry.clear()
         for u in self.units.holding():
-            self.units.wait(u, self.wait)
             if self.reshard:
-                self.units.free(u)
+                self.units.free(u, self.wait)
+            else:
+                self.units.wait(u, self.wait)
         self.gatherer.release_discard()
         self._stack, self._held = [], {}
 
@@ -289,8 +290,7 @@ class FetchCoordinator:
     def on_grads_done(self, unit: int) -> None:
         """All gradients of ``unit`` reached the reducer: its parameters are no longer needed."""
         if self.reshard and self.mode is not Mode.IDLE and self._held.get(unit, 0) == 0:
-            self.units.wait(unit, self.wait)
-            self.units.free(unit)
+            self.units.free(unit, self.wait)
 
     def _event(self, kind: EventKind, index: int) -> None:
         self.records[-1].events.append((kind, index))
@@ -309,7 +309,7 @@ class FetchCoordinator:
                                  "differs from the trace")
         # NEGOTIATE
         for u in released:
-            self.units.free(u)
+            self.units.free(u, self.wait)
         needs = self._needs(kind, index)
         self._fetch(needs)
 
@@ -357,8 +357,7 @@ class FetchCoordinator:
         for group_units in position.prefetch:
             self._issue(group_units)
         for u in position.release:
-            self.units.wait(u, self.wait)
-            self.units.free(u)
+            self.units.free(u, self.wait)
         self._peak()
         return True
 

@@ -132,9 +132,11 @@ class Units:
         self._ptr_to_unit[full.untyped_storage().data_ptr()] = index
         return full
 
-    def free(self, index: int) -> None:
+    def free(self, index: int, waiter: Callable) -> None:
+        """Release unit ``index``'s full buffer, after the gather still writing into it (if any)."""
         unit = self.units[index]
         if unit.state is not UnitState.SHARDED:
+            self.wait(index, waiter)  # never free memory a collective is still writing into
             self._ptr_to_unit.pop(unit.full.untyped_storage().data_ptr(), None)
             unit.free()
 
