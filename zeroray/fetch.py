@@ -200,7 +200,7 @@ class FetchCoordinator:
                 self._log_once("diverged", "zeroray: the workers ran different modules in one step (data-dependent "
                                            "control flow); stage 3 negotiated each fetch in that step, which trains "
                                            "exactly but without prefetch (see comm_report()['rounds'])")
-        if self.group.rank == 0:
+        if self.group.rank == 0 and any_exit:  # no exit, no signal to clear (and no round trips)
             for m in range(len(self.records)):
                 self.group.clear_signal(self._exit_key(m))
         self.negotiator.forget(self.call)
