@@ -159,11 +159,25 @@ def divergent_batches(steps: int = 2, agree_first: int = 0, world: int = 2, batc
     return out
 
 
-def per_shard_loss(loss_fn, world: int):
-    """The reference loss for data-dependent models: each worker's share routes on its own
-    data, and the global loss is the mean of the shares' losses (what zeroray computes)."""
+def divergent_accum_batches(steps: int, world: int, agree_first: int = 2):
+    """Two micro-batches per worker share (grad_accum_steps=2), each routing on its own token,
+    different per rank and per micro-batch after the first ``agree_first`` steps."""
+    out = []
+    for step, (idx, tgt) in enumerate(make_batches(steps, batch=4 * world)):
+        idx = idx.clone()
+        for r in range(world):
+            for m in range(2):
+                idx[r * 4 + m * 2, 0] = 2 if step < agree_first else r + m + 1
+        out.append((idx, tgt))
+    return out
+
+
+def per_shard_loss(loss_fn, parts: int):
+    """The reference loss for data-dependent models: each worker's share (or micro-batch: parts =
+    workers x micro-batches) routes on its own data, and the global loss is the mean of the
+    parts' losses (what zeroray computes)."""
     def loss(model, batch):
         idx, tgt = batch
-        n = idx.shape[0] // world
-        return sum(loss_fn(model, (idx[r * n:(r + 1) * n], tgt[r * n:(r + 1) * n])) for r in range(world)) / world
+        n = idx.shape[0] // parts
+        return sum(loss_fn(model, (idx[r * n:(r + 1) * n], tgt[r * n:(r + 1) * n])) for r in range(parts)) / parts
     return loss

@@ -104,21 +104,27 @@ def test_ranks_taking_different_branches_train_exactly(world):
     different gradients. Whether they diverge from the first step (no trace yet: every fetch is
     negotiated) or only after following a trace for two steps (a worker leaves the plan in the
     middle of forward), the result equals the reference in which each share routes on its own."""
-    from tests.models import divergent_batches, divergent_model, per_shard_loss, routed_model
+    from tests.models import (divergent_accum_batches, divergent_batches, divergent_model, per_shard_loss,
+                              routed_model)
 
     cases = []
     for model_fn, wrap in ((divergent_model, "module"), (routed_model, "auto"), (divergent_model, "auto")):
         for agree_first in (0, 2):
             batches = divergent_batches(5, agree_first=agree_first, world=world, batch=4 * world)
-            cases.append((model_fn, wrap, agree_first, batches))
+            cases.append((model_fn, wrap, agree_first, 1, batches))
+    # With gradient accumulation the micro-batches of one worker diverge too.
+    for model_fn, wrap in ((divergent_model, "module"), (routed_model, "auto")):
+        cases.append((model_fn, wrap, 2, 2, divergent_accum_batches(5, world)))
     runs = run_engines(world, [dict(model_fn=m, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
-                                    zero=zr.ZeroConfig(stage=3, wrap=w), batches=b) for m, w, _, b in cases])
-    for (model_fn, wrap, agree_first, batches), (results, params) in zip(cases, runs):
-        ref = reference_run(model_fn, per_shard_loss(lm_loss, world), ref_adamw, batches, unused_as_zero=True)
+                                    zero=zr.ZeroConfig(stage=3, wrap=w, grad_accum_steps=k), batches=b)
+                               for m, w, _, k, b in cases])
+    for (model_fn, wrap, agree_first, k, batches), (results, params) in zip(cases, runs):
+        ref = reference_run(model_fn, per_shard_loss(lm_loss, world * k), ref_adamw, batches, unused_as_zero=True)
         try:
             assert_parity(ref, results, params)
         except AssertionError as e:
-            raise AssertionError(f"{model_fn.__name__}, wrap={wrap}, agree_first={agree_first}: {e}") from None
+            raise AssertionError(f"{model_fn.__name__}, wrap={wrap}, agree_first={agree_first}, "
+                                 f"grad_accum_steps={k}: {e}") from None
         fetch = [rep.get("fetch", {}) for rep in results[0]["reports"]]
         if wrap == "module" or model_fn is routed_model:
             # the steps where the workers diverged were negotiated: rounds happened

@@ -9,7 +9,8 @@ Temporary names contain ``.tmp.``; nothing that lists a checkpoint ever treats t
 and ``store.commit`` deletes the stale ones a crashed writer left behind.
 
 Plain paths use ``os`` (no pyarrow needed); anything with ``://`` goes through
-``pyarrow.fs.FileSystem.from_uri``, imported only then.
+``pyarrow.fs.FileSystem.from_uri``, imported only then; a ``StoragePath`` names its own
+``Storage`` (a storage of the user's, or one that fails on purpose: faults.py).
 """
 from __future__ import annotations
 
@@ -264,11 +265,34 @@ class ArrowStorage(Storage):
             self.fs.delete_dir(path)
 
 
-PathLike = Union[str, "os.PathLike[str]"]
+@dataclass(frozen=True)
+class StoragePath:
+    """A path on a given ``Storage``: pass it wherever a checkpoint path goes
+    (``CheckpointConfig(path=...)``, ``save``, ``Trainer.restore``) to read and write through a
+    storage of your own. It travels to the workers with the calls that use it, so the storage
+    must pickle. Paths derived from it (a step directory, ``latest_checkpoint``) are StoragePaths
+    on the same storage; ``str()`` gives the path as messages show it."""
+
+    storage: Storage
+    path: str
+
+    def __str__(self) -> str:
+        return self.storage.display(self.path)
+
+
+PathLike = Union[str, "os.PathLike[str]", StoragePath]
+
+
+def same_kind(like: PathLike, storage: Storage, path: str) -> PathLike:
+    """``path`` on ``storage``, in the form ``like`` was given in: a StoragePath for a StoragePath
+    (so later reads go through the same storage), otherwise the path as the user writes it."""
+    return StoragePath(storage, path) if isinstance(like, StoragePath) else storage.display(path)
 
 
 def resolve(path: PathLike) -> Tuple[Storage, str]:
-    """(storage, path inside it) for a local path or a ``scheme://`` URI."""
+    """(storage, path inside it) for a local path, a ``scheme://`` URI or a StoragePath."""
+    if isinstance(path, StoragePath):
+        return path.storage, path.path
     text = os.fspath(path)
     if not isinstance(text, str) or not text:
         raise CheckpointError(f"checkpoint path {path!r} is invalid: give a directory path or a URI")

@@ -107,6 +107,12 @@ class Manifest:
         """Per-rank tensors that are not sharded (taken from one source rank when resharding)."""
         return [k for k, v in self.tensors.items() if not v["sharded"]]
 
+    @property
+    def location(self):
+        """(Storage, step directory) this manifest was read from (None for one built in memory):
+        how loaders reach its files on the same storage."""
+        return getattr(self, "_location", None)
+
     def files(self) -> List[FileEntry]:
         return list(self.shards) + ([self.extra_tensors] if self.extra_tensors else [])
 

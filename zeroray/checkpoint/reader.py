@@ -26,7 +26,7 @@ class CheckpointReader:
 
     def __init__(self, path_or_manifest: Union[PathLike, Manifest], verify: bool = True) -> None:
         m = path_or_manifest if isinstance(path_or_manifest, Manifest) else load_manifest(path_or_manifest)
-        location = getattr(m, "_location", None)
+        location = m.location
         if location is None:
             if not m.source:
                 raise ValueError("this Manifest does not say where it was loaded from; pass the "

@@ -30,7 +30,7 @@ import torch
 
 from zeroray.arena import FlatLayout
 from zeroray.checkpoint.errors import CheckpointError
-from zeroray.checkpoint.filesystem import PathLike, Storage, is_temp_name, resolve
+from zeroray.checkpoint.filesystem import PathLike, Storage, is_temp_name, resolve, same_kind
 from zeroray.checkpoint.manifest import (EXTRA_NAME, MANIFEST_NAME, FileEntry, Manifest, ShardInfo,
                                          parse_step_dir, read_manifest, shard_name, step_dir_name,
                                          write_manifest)
@@ -147,8 +147,9 @@ def _classify(infos: List[ShardInfo], layout: FlatLayout) -> Dict[str, Dict[str,
 
 
 def commit(root: PathLike, step: int, manifest_fields: Mapping[str, Any],
-           shard_infos: Sequence[ShardInfo], keep: Optional[int] = None) -> str:
-    """Make ``step`` a complete checkpoint and the latest one; returns its directory.
+           shard_infos: Sequence[ShardInfo], keep: Optional[int] = None) -> PathLike:
+    """Make ``step`` a complete checkpoint and the latest one; returns its directory (a
+    StoragePath when ``root`` is one, else a string).
 
     ``manifest_fields``: "layout" (FlatLayout or its to_dict(), required), and optionally
     "config" (dict), "data_position" (int), "extra" (dict), "world_size" (checked).
@@ -211,7 +212,7 @@ def commit(root: PathLike, step: int, manifest_fields: Mapping[str, Any],
     _clean_temps(storage, step_dir)
     _clean_temps(storage, root_path)
     _retain(storage, root_path, step, keep)
-    return storage.display(step_dir)
+    return same_kind(root, storage, step_dir)
 
 
 def _check_written(storage: Storage, step_dir: str, infos: Sequence[ShardInfo]) -> None:
@@ -279,18 +280,27 @@ def _latest(storage: Storage, root_path: str) -> Optional[str]:
     return complete[max(complete)] if complete else None
 
 
-def latest_checkpoint(root: PathLike) -> Optional[str]:
+def latest_checkpoint(root: PathLike) -> Optional[PathLike]:
     """The directory of the latest complete checkpoint under ``root``, or None if there is none."""
     storage, root_path = resolve(root)
     found = _latest(storage, root_path)
-    return storage.display(found) if found else None
+    return same_kind(root, storage, found) if found else None
 
 
-def list_checkpoints(root: PathLike) -> List[Tuple[int, str]]:
-    """Complete checkpoints under ``root`` as (step, directory), oldest first."""
+def list_checkpoints(root: PathLike, incomplete: bool = False) -> List[Tuple[int, PathLike]]:
+    """Complete checkpoints under ``root`` as (step, directory), oldest first (``incomplete``:
+    the step directories without a manifest instead, the leftovers of interrupted saves)."""
     storage, root_path = resolve(root)
-    complete, _ = _scan(storage, root_path)
-    return [(s, storage.display(complete[s])) for s in sorted(complete)]
+    found = _scan(storage, root_path)[1 if incomplete else 0]
+    return [(s, same_kind(root, storage, found[s])) for s in sorted(found)]
+
+
+def checkpoint_dir(path: PathLike) -> PathLike:
+    """The step directory ``path`` names: itself, or for a root the latest complete checkpoint
+    under it (every worker of a restore must read the same step, even if a save lands meanwhile)."""
+    manifest = load_manifest(path)
+    storage, step_dir = manifest.location
+    return same_kind(path, storage, step_dir)
 
 
 def load_manifest(path: PathLike) -> Manifest:
