@@ -184,16 +184,19 @@ class FailureConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """path: directory (or pyarrow.fs URI); every_steps: save cadence during fit; keep: how many to keep."""
+    """path: directory, pyarrow.fs URI, or ``zeroray.checkpoint.StoragePath`` (a path on a storage of
+    your own); every_steps: save cadence during fit; keep: how many to keep."""
 
-    path: Optional[str] = None
+    path: Optional[Any] = None
     every_steps: Optional[int] = None
     keep: int = 2
 
     def __post_init__(self) -> None:
         c = "CheckpointConfig"
-        if self.path is not None and (not isinstance(self.path, str) or not self.path):
-            _fail(c, "path", self.path, "it must be a non-empty path string")
+        # A StoragePath is recognised by its fields: this module sits above the checkpoint package.
+        is_storage_path = hasattr(self.path, "storage") and isinstance(getattr(self.path, "path", None), str)
+        if self.path is not None and not is_storage_path and (not isinstance(self.path, str) or not self.path):
+            _fail(c, "path", self.path, "it must be a non-empty path string (or a zeroray.checkpoint.StoragePath)")
         if self.every_steps is not None:
             _positive_int(c, "every_steps", self.every_steps)
             if self.path is None:

@@ -71,6 +71,11 @@ class CheckpointReader:
             self._open.popitem(last=False)[1].file.close()
         return reader
 
+    def check(self, entry: FileEntry) -> None:
+        """Open ``entry`` (one of ``manifest.files()``) and check it against the manifest: present,
+        its size, its sha256 when ``verify``. Raises CheckpointError naming it if it is damaged."""
+        self._reader(entry)
+
     def shard(self, rank: int) -> TensorFileReader:
         if not 0 <= rank < self.manifest.world_size:
             raise ValueError(f"rank {rank} is outside the checkpoint's world size {self.manifest.world_size}")

@@ -15,6 +15,17 @@ policies (policy.py) return decisions to ``recover``, which acts on them. ``fit`
 and Ray Data input (data.py) drive it through these public methods: ``submit_step`` /
 ``submit_local_step`` send a step without waiting, ``finish_step`` collects it, ``discard``
 drops steps that must not count; ``in_flight`` says how many were sent and not yet collected.
+
+[Note: failed saves]
+A save that cannot be written (a full disk, a storage that refuses a write, on a worker or on
+the driver) stops the run with that error, its own type and message (``OSError: [Errno 28] No
+space left on device``), plus a note saying what was kept. Nothing is lost: the commit
+protocol ([Note: checkpoint commit protocol] in checkpoint/store.py) never wrote the manifest
+or ``latest``, so the previous checkpoint stays the latest and loads; the workers still hold
+the trained step, so once the storage is fixed ``trainer.save()`` or another ``fit`` goes on
+from it. The writes are independent (no collective), so the group stays usable. Training on
+with a logged error instead would leave a long run silently without a recent checkpoint: the
+next worker failure would throw away every step since the last good save.
 """
 from __future__ import annotations
 
@@ -297,32 +308,62 @@ class Controller:
 
     # --- checkpoints -----------------------------------------------------------------------
 
-    def save(self, root: str, keep: Optional[int]) -> str:
-        """Every worker writes its shard in parallel, then the driver commits the manifest."""
+    def save(self, root: Any, keep: Optional[int]) -> Any:
+        """Every worker writes its shard in parallel, then the driver commits the manifest.
+        A write that fails leaves the last checkpoint as it was; see [Note: failed saves]."""
         from zeroray.checkpoint import commit
 
         if self.state not in (TrainerState.IDLE, TrainerState.FITTING):
             raise RuntimeError(f"cannot save while the Trainer is {self.state.value}")
         group = self.group
-        outs = group.wait_all(group.call("save_shard", root, self.step_count), None, "save")
-        infos = [o[0] for o in outs] + [o[1] for o in outs if o[1] is not None]
-        fields = {"layout": self.layout, "world_size": self.num_workers, "data_position": self.data_position,
-                  "config": {"zero": repr(self.zero), "scaling": repr(self.scaling), "seed": self.spec["seed"]},
-                  "extra": {"state_dict_keys": self.state_dict_keys}}
-        self.last_checkpoint = commit(root, self.step_count, fields, infos, keep=keep)
+        try:
+            # Independent writes: one worker's failed write does not leave the others out of step.
+            outs = group.wait_all(group.call("save_shard", root, self.step_count), None, "save", independent=True)
+            infos = [o[0] for o in outs] + [o[1] for o in outs if o[1] is not None]
+            fields = {"layout": self.layout, "world_size": self.num_workers, "data_position": self.data_position,
+                      "config": {"zero": repr(self.zero), "scaling": repr(self.scaling), "seed": self.spec["seed"]},
+                      "extra": {"state_dict_keys": self.state_dict_keys}}
+            self.last_checkpoint = commit(root, self.step_count, fields, infos, keep=keep)
+        except Exception as error:
+            if not is_worker_failure(error):
+                error.add_note(self._failed_save_note(root))
+            raise
         return self.last_checkpoint
 
-    def load(self, path: str) -> None:
-        """Every worker reads its slices of the checkpoint at ``path`` (a root or a step directory)."""
-        from zeroray.checkpoint import load_manifest
+    def _failed_save_note(self, root: Any) -> str:
+        from zeroray.checkpoint import latest_checkpoint
 
-        manifest = load_manifest(path)
-        step_dir = manifest.source or path  # every worker reads the same step, even if a save lands now
+        try:
+            latest = latest_checkpoint(root)
+        except Exception:  # noqa: BLE001 - the storage may be what failed
+            latest = None
+        kept = (f"{latest} is still the latest checkpoint and loads" if latest is not None
+                else "there is no earlier checkpoint there")
+        return (f"zeroray: saving step {self.step_count} to {root} failed and nothing was committed: {kept}. "
+                f"The trainer still holds step {self.step_count} (data_position {self.data_position}): fix the "
+                "storage (free space, permissions) and call trainer.save(), or fit(...) again to go on")
+
+    def load(self, path: Any) -> None:
+        """Every worker reads its slices of the checkpoint at ``path`` (a root or a step directory)."""
+        from zeroray.checkpoint import checkpoint_dir, load_manifest
+
+        step_dir = checkpoint_dir(path)  # every worker reads the same step, even if a save lands now
+        manifest = load_manifest(step_dir)
         group = self.group
         steps = group.wait_all(group.call("load_checkpoint", step_dir), None, "restore")
         self.step_count = steps[0]
         self.data_position = int(manifest.data_position or 0)
         self.last_checkpoint = step_dir
+
+    def verify(self, step_dir: Any) -> None:
+        """Every worker checks its share of the checkpoint's files (sizes, sha256) in parallel;
+        raises the CheckpointError of the first damaged file. No collective: the group stays usable."""
+        from zeroray.checkpoint import load_manifest
+
+        files = [e.file for e in load_manifest(step_dir).files()]
+        group, n = self.group, self.num_workers
+        group.wait_all(group.call_each("verify_files", [(step_dir, files[r::n]) for r in range(n)]), None,
+                       "verify the checkpoint", independent=True)
 
     # --- resize ----------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ class Trainer:
                  checkpoint: Optional[CheckpointConfig] = None, seed: int = 0,
                  param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]] = None,
                  scheduler: Optional[Callable[[Any], Any]] = None, metrics_path: Optional[str] = None,
-                 _restore_from: Optional[str] = None) -> None:
+                 _restore_from: Optional[Any] = None) -> None:
         if not callable(model_fn):
             raise ValueError("model_fn must be a callable () -> torch.nn.Module (a function or class), "
                              f"got {type(model_fn).__name__}")
@@ -65,12 +65,15 @@ class Trainer:
         self.controller = Controller(spec, scaling, self.zero)
         # Garbage collection of the Trainer releases its actors and placement group.
         self._finalizer = weakref.finalize(self, self.controller.slot.release)
+        self.restored_from: Optional[Any] = None  # the checkpoint directory Trainer.restore loaded
+        self.skipped_checkpoints: List[Any] = []  # restore(fallback=True): SkippedCheckpoint(path, reason)s
         if _restore_from is not None:
             try:
                 self.controller.load(_restore_from)
             except BaseException:
                 self.shutdown()  # nothing half-loaded stays behind
                 raise
+            self.restored_from = self.controller.last_checkpoint
 
     # --- what the trainer knows (the controller owns it) -----------------------------------
 
@@ -200,7 +203,7 @@ class Trainer:
 
     # --- checkpoints and resize ------------------------------------------------------------
 
-    def save(self, path: Optional[str] = None) -> str:
+    def save(self, path: Optional[Any] = None) -> Any:
         """Sharded checkpoint: every worker writes its shard in parallel, then an atomic commit."""
         root = path or self.checkpoint_config.path
         if root is None:
@@ -209,13 +212,29 @@ class Trainer:
         return self.controller.save(root, keep)
 
     @classmethod
-    def restore(cls, path: str, model_fn: Callable, loss_fn: Callable, **kwargs: Any) -> "Trainer":
+    def restore(cls, path: Any, model_fn: Callable, loss_fn: Callable, *, fallback: bool = False,
+                **kwargs: Any) -> "Trainer":
         """A Trainer that continues from the checkpoint at ``path`` (a root or a step directory),
-        at any number of workers and any stage."""
-        from zeroray.checkpoint import load_manifest
+        at any number of workers and any stage.
 
-        load_manifest(path)  # fail early, with the checkpoint's own error, before starting actors
-        return cls(model_fn, loss_fn, _restore_from=path, **kwargs)
+        ``fallback=True``: load the newest checkpoint under ``path`` whose files all verify
+        (sizes, sha256), skipping damaged ones (and, for a step directory, trying the older ones
+        beside it); ``trainer.restored_from`` says which was loaded and ``trainer.skipped_checkpoints``
+        which were skipped and why (also logged as warnings). See runtime/restore.py."""
+        from zeroray.checkpoint import load_manifest
+        from zeroray.runtime.restore import check_has_candidates, load_newest_valid
+
+        if not fallback:
+            load_manifest(path)  # fail early, with the checkpoint's own error, before starting actors
+            return cls(model_fn, loss_fn, _restore_from=path, **kwargs)
+        check_has_candidates(path)
+        trainer = cls(model_fn, loss_fn, **kwargs)
+        try:
+            trainer.restored_from, trainer.skipped_checkpoints = load_newest_valid(trainer.controller, path)
+        except BaseException:
+            trainer.shutdown()  # nothing half-loaded stays behind
+            raise
+        return trainer
 
     def resize(self, num_workers: int) -> None:
         """Change the number of workers in place: the shards move from the old actors to the new

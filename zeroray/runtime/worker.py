@@ -218,6 +218,13 @@ class Worker:
         return self.engine.step_count
 
     @engine_call
+    def verify_files(self, step_dir: Any, names: List[str]) -> None:
+        """Check this worker's share of a checkpoint's files (runtime/restore.py)."""
+        from zeroray.checkpoint import verify_files
+
+        verify_files(step_dir, names)
+
+    @engine_call
     def load_pieces(self, piece_refs: List[Any]) -> int:
         """Resize, new side: this rank's state from the old workers' pieces for it, fetched one at a
         time (the refs arrive in a list, so Ray does not fetch them all before the call)."""

@@ -177,7 +177,8 @@ class WorkerGroup:
     # --- results and failures ----------------------------------------------------------------
 
     def wait_all(self, refs: List[Any], timeout_s: Optional[float], what: str,
-                 ranks: Optional[Sequence[int]] = None, lockstep: bool = False) -> List[Any]:
+                 ranks: Optional[Sequence[int]] = None, lockstep: bool = False,
+                 independent: bool = False) -> List[Any]:
         """ray.get of one call per worker (refs in the order of ``ranks``, default all), failing fast
         and saying who failed.
 
@@ -189,6 +190,8 @@ class WorkerGroup:
         error every worker raised together (the engine's step outcome) leaves the group usable.
         ``lockstep``: the calls are one collective step, so a user error on some workers while
         others succeeded also leaves them out of step (one applied the step, one did not).
+        ``independent``: the calls run no collective (a save), so after an error in one the others
+        are waited for to the end, not suspected of waiting in a collective; only a death cuts short.
         """
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -199,12 +202,14 @@ class WorkerGroup:
         first_error_at = None
         while pending:
             now = time.monotonic()
-            if first_error_at is not None and now - first_error_at >= _FAILURE_GRACE_S:
+            grace = first_error_at is not None and (not independent or any(
+                classify_error(e) is ErrorKind.DIED for e in errors.values()))
+            if grace and now - first_error_at >= _FAILURE_GRACE_S:
                 break
             if deadline is not None and now >= deadline:
                 break
             wait_s = 1.0 if deadline is None else min(1.0, deadline - now)
-            if first_error_at is not None:
+            if grace:
                 wait_s = min(wait_s, _FAILURE_GRACE_S - (now - first_error_at))
             done, pending = ray.wait(pending, num_returns=1, timeout=max(wait_s, 0.01))
             for ref in done:
