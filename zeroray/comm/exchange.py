@@ -31,7 +31,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -113,15 +113,23 @@ class PeerExchange:
         self._pending[channel].put(exchange)
         return exchange
 
-    def close(self) -> None:
-        for channel, watcher in self._watchers.items():
-            self._pending[channel].put(None)
+    def close(self) -> List[str]:
+        """Stop the watchers; returns the names of any still running (none, normally).
+
+        Every watcher is told to stop at once and all are joined against one deadline: an
+        exchange still in flight ends by the pg's timeout at the latest (its receive times out,
+        or fails at once if the peer is gone), so closing takes at most about ``timeout_s``,
+        however many channels were busy."""
+        for queue_ in self._pending.values():
+            queue_.put(None)
+        deadline = time.monotonic() + self.timeout_s + 1.0
         for watcher in self._watchers.values():
-            # An exchange still in flight ends by the pg's timeout at the latest.
-            watcher.join(timeout=self.timeout_s + 5)
+            watcher.join(timeout=max(0.0, deadline - time.monotonic()))
+        alive = [w.name for w in self._watchers.values() if w.is_alive()]
         self._watchers.clear()
         self._pending.clear()
         self.pg = None
+        return alive
 
     def _post(self, sends, recvs, tag: int) -> list:
         """Post every send and receive at once (none blocks); a broken connection raises here."""

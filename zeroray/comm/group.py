@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ import torch
 
 from zeroray.comm.exchange import PeerExchange
 from zeroray.errors import CollectiveError
+
+log = logging.getLogger("zeroray")
 
 
 class Channel(enum.Enum):
@@ -349,7 +352,9 @@ class TorchGroup(Group):
         if abort is not None and self.backend == "nccl":
             abort()
         if self.exchange is not None:
-            self.exchange.close()
+            alive = self.exchange.close()
+            if alive:  # a receive outlived the pg's timeout: should not happen; say so rather than hang
+                log.warning("zeroray: exchange watcher thread(s) %s still running after close", alive)
         self.pg = self.exchange = self.store = None
 
 
