@@ -1,7 +1,8 @@
 """Ray Data input: every worker pulls its own split of a ``ray.data.Dataset``.
 
 ``trainer.fit(dataset, batch_size=GLOBAL)`` cuts the dataset with
-``dataset.streaming_split(num_workers, equal=True)`` and hands split ``r`` to worker ``r``,
+``dataset.streaming_split(num_workers, equal=True)``, in a fixed order ([Note: Ray Data
+replay]), and hands split ``r`` to worker ``r``,
 which iterates it itself in local batches of ``GLOBAL // num_workers`` rows. Rows go from
 Ray Data's executor straight to the worker that trains on them, never through the driver;
 each step the driver only tells every worker "train on your next batch" (``train_next``).
@@ -23,13 +24,21 @@ update equal ``trainer.step`` on that concatenation (tests/ray/test_ray_data.py 
 [Note: Ray Data replay]
 ``trainer.data_position`` counts global batches, as for any other data. A fit that starts at
 position ``p`` (``skip=p``, a restored checkpoint, or recovery after a worker failure)
-starts a fresh pass over the dataset and each worker discards its first ``p`` local batches,
-so training resumes after the same number of rows. It is position-exact, not row-exact:
-``streaming_split`` hands blocks to whichever split asks first, so which rows land in which
-split (and in which step) may differ from one pass to the next. After a resume some rows of
-the interrupted pass may be seen twice and others not at all; this is the usual contract of
-streaming input (Ray Train's is the same). For row-exact replay, feed an iterable of global
-batches instead (``fit`` replays those exactly; see [Note: data replay] in fit_loop.py).
+starts a fresh pass over the dataset and each worker discards its first ``p`` local batches.
+That replays exactly the rows of the interrupted pass because every pass cuts the dataset the
+same way: fit runs the split with Ray Data's ``preserve_order`` on (on a copy of the dataset,
+whose own context stays as the user set it). Ray Data's split operator hands each block, in
+the order the blocks arrive, to the split that has received the fewest rows so far, and
+evens out the last ones; without ``preserve_order`` the blocks arrive in the order their
+tasks finish (a read or ``map_batches`` that is sometimes slower reorders them), with it in
+the dataset's own order. So split ``r`` holds the same rows, in the same order, on every
+pass, and local batch ``k`` of worker ``r`` is the same rows after a recovery as before it
+(tests/ray/test_ray_data_replay.py). Two limits: the dataset itself must produce the same
+rows in the same order on each pass (a ``random_shuffle`` without a seed does not), and a
+restart at another number of workers (``min_workers``) cuts other splits, so it resumes after
+the same number of rows but not necessarily the same ones. Keeping the order may cost
+throughput when upstream tasks finish out of order (blocks wait for their predecessors);
+benchmarks/README.md has the figure for ``benchmarks/ray_data_throughput.py``.
 
 One ``fit`` call is one pass at most: it stops when the splits run out.
 """
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import sys
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import numpy as np
@@ -130,11 +140,22 @@ def local_batch_size(global_batch_size: Any, num_workers: int, grad_accum_steps:
     return global_batch_size // num_workers
 
 
+def _in_fixed_order(dataset: Any) -> Any:
+    """The same dataset, executed with ``preserve_order``: see [Note: Ray Data replay]. A deep
+    copy (Ray Data's own ``Dataset.copy``) carries a copy of the context, so the user's dataset
+    and Ray Data's global context are left as they were."""
+    with warnings.catch_warnings():  # copying the context reads Ray Data's deprecated options
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ordered = type(dataset).copy(dataset, _deep_copy=True)
+    ordered.context.execution_options.preserve_order = True
+    return ordered
+
+
 class RayDataFeed:
     """fit's source of steps for a ``ray.data.Dataset``: each worker pulls its own split.
 
-    Cuts ``dataset`` with ``streaming_split(num_workers, equal=True)`` over the controller's
-    current group and attaches split ``r`` to worker ``r``, skipping ``skip`` local batches
+    Cuts ``dataset`` with ``streaming_split(num_workers, equal=True)``, in a fixed order, over the
+    controller's current group and attaches split ``r`` to worker ``r``, skipping ``skip`` local batches
     ([Note: Ray Data replay]). ``submit`` sends one step on every worker's next batch (None once
     the splits are known to be empty); ``close`` detaches the splits (fit closes the feed when it
     ends, and on recovery, when the group it was attached to is already gone).
@@ -144,7 +165,7 @@ class RayDataFeed:
         group = controller.group
         local = local_batch_size(global_batch_size, group.num_workers, controller.zero.grad_accum_steps)
         self.controller, self.group, self.feed_id = controller, group, uuid.uuid4().hex
-        splits = dataset.streaming_split(group.num_workers, equal=True)
+        splits = _in_fixed_order(dataset).streaming_split(group.num_workers, equal=True)
         infos = group.wait_all(group.call_each("attach_data", [(split, local, skip, self.feed_id) for split in splits]),
                                None, "attach the Ray Data splits")
         self.empty = not all(info["has_next"] for info in infos)
