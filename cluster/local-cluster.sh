@@ -6,6 +6,8 @@
 #   bash cluster/local-cluster.sh status   # the cluster's nodes and resources
 #   bash cluster/local-cluster.sh down     # stop exactly the processes `up` started
 #   bash cluster/local-cluster.sh env      # print the exports a job client needs
+#   bash cluster/local-cluster.sh add-node worker3    # one more worker node (fault tests)
+#   bash cluster/local-cluster.sh kill-node worker1   # lose a node: SIGKILL its process group
 #
 # Everything lives under one directory (ZR_CLUSTER_DIR): the auth token, the Ray temp
 # dirs, the logs and one pgid file per node. Each `ray start --block` runs in its own
@@ -342,6 +344,39 @@ cmd_down() {
     log "stopped (state kept in $CLUSTER_DIR)"
 }
 
+# add-node NAME: start one more worker node (NAME is workerN) and wait until it is alive.
+cmd_add_node() {
+    local name="${1:-}"
+    [[ "$name" =~ ^worker[0-9]+$ ]] || die "add-node needs a name workerN, got '$name'"
+    [[ -n "$(live_pgids)" ]] || die "no cluster is running from $CLUSTER_DIR; run '$0 up' first"
+    if [[ -e "$PGID_DIR/$name.pgid" ]] && group_alive "$(cat "$PGID_DIR/$name.pgid")"; then
+        die "$name is running already (pgid $(cat "$PGID_DIR/$name.pgid"))"
+    fi
+    auth_env
+    UP_DEADLINE=$((SECONDS + UP_TIMEOUT))
+    if ! start_node_and_wait "$name" --address "$GCS_ADDRESS"; then
+        tail -n 30 "$LOG_DIR/$name.log" >&2 || true
+        [[ -e "$PGID_DIR/$name.pgid" ]] && stop_groups "$(cat "$PGID_DIR/$name.pgid")"
+        rm -f "$PGID_DIR/$name.pgid"
+        die "$name did not come up within ${UP_TIMEOUT}s (log: $LOG_DIR/$name.log)"
+    fi
+}
+
+# kill-node NAME: the node is lost, as when its machine dies: SIGKILL to its `ray start`
+# process group, nothing else (the actors it ran die with their raylet; the GCS notices).
+cmd_kill_node() {
+    local name="${1:-}" pgid
+    [[ -e "$PGID_DIR/$name.pgid" ]] || die "no node '$name' in $PGID_DIR"
+    [[ "$name" != head ]] || die "kill-node ends worker nodes only; 'down' stops the head"
+    pgid="$(cat "$PGID_DIR/$name.pgid")"
+    kill -KILL -- "-$pgid" 2>/dev/null || true
+    local deadline=$((SECONDS + 10))
+    while group_alive "$pgid" && ((SECONDS < deadline)); do sleep 0.2; done
+    group_alive "$pgid" && die "$name (pgid $pgid) is still alive after SIGKILL"
+    rm -f "$PGID_DIR/$name.pgid"
+    log "killed $name (pgid $pgid)"
+}
+
 cmd_status() {
     local pgids
     pgids="$(live_pgids)"
@@ -388,8 +423,10 @@ case "${1:-}" in
     down) cmd_down ;;
     status) cmd_status ;;
     env) cmd_env ;;
+    add-node) cmd_add_node "${2:-}" ;;
+    kill-node) cmd_kill_node "${2:-}" ;;
     *)
-        echo "usage: $0 up|down|status|env" >&2
+        echo "usage: $0 up|down|status|env|add-node workerN|kill-node workerN" >&2
         exit 2
         ;;
 esac

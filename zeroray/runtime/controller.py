@@ -240,6 +240,7 @@ class Controller:
         worker_group.py). A failure while restarting (another worker dies) counts as one more.
         """
         detected = time.monotonic()
+        applied = self.step_count  # steps applied when the failure was seen: those past the checkpoint are redone
         self._enter(TrainerState.RECOVERING)
         try:
             while True:
@@ -266,6 +267,7 @@ class Controller:
         self.last_recovery_s = resumed - detected
         self.recoveries.append({"cause": f"{type(error).__name__}: {error}", "detected_at": detected,
                                 "resumed_at": resumed, "seconds": resumed - detected, "step": self.step_count,
+                                "redone_steps": max(0, applied - self.step_count),
                                 "num_workers": self.num_workers, **timings})
         note(f"zeroray: resumed at step {self.step_count} with {self.num_workers} worker(s), "
              f"{self.last_recovery_s:.1f} s after the failure was detected")
