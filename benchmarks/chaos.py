@@ -66,6 +66,9 @@ class Fault:
     armed: bool = False
     landed: bool = False
     survived: bool = False  # its cycle's fit completed after it
+    pid: Optional[int] = None  # the worker process at the gate
+    node: str = ""  # node-loss: the cluster node lost
+    checkpoint: str = ""  # restore-kill: the checkpoint the recovery reads back
     note: str = ""
     thread: Optional[threading.Thread] = field(default=None, repr=False)
 
@@ -139,7 +142,15 @@ class Injector:
         self.seen_workers()
         fault = self.by_step.get(index + 1)  # the step that trains on this batch
         if fault is not None and not fault.armed:
+            # The gates go up here, on fit's thread, before this batch's step is sent: a gate set
+            # by another thread could come up after the worker went past it.
             fault.armed = True
+            try:
+                self._arm(fault)
+            except Exception as error:  # noqa: BLE001 - reported, and the run's checks fail on it
+                fault.note = f"injector error: {type(error).__name__}: {error}"
+                self._clear("loss.gate", "io.gate")
+                return
             fault.thread = threading.Thread(target=self._run, args=(fault,), daemon=True)
             fault.thread.start()
         resize = self.resizes.get(index + 1)
@@ -152,21 +163,44 @@ class Injector:
     def _path(self, name: str) -> str:
         return os.path.join(self.control, name)
 
-    def _worker(self, rank: int) -> Dict:
-        return self.trainer.workers[rank]
+    def _write(self, name: str, text: str) -> None:
+        tmp = self._path(name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, self._path(name))
 
-    def _arm_loss_gate(self, fault: Fault) -> int:
-        """Worker ``rank`` will wait in loss_fn on its rows of the step's batch; returns its pid."""
+    def _arm_loss_gate(self, fault: Fault) -> None:
+        """Worker ``fault.rank`` will wait in loss_fn on its rows of the step's batch."""
         workers = self.trainer.workers
-        rank = fault.rank % len(workers)
-        pid = workers[rank]["pid"]
+        fault.rank %= len(workers)
+        fault.pid = workers[fault.rank]["pid"]
         x = self.batches[fault.step - 1][0]
         n = x.shape[0] // len(workers)
-        with open(self._path("loss.gate"), "w") as f:
-            f.write(f"{pid} {fingerprint(x[rank * n:(rank + 1) * n])}")
-        return pid
+        self._write("loss.gate", f"{fault.pid} {fingerprint(x[fault.rank * n:(fault.rank + 1) * n])}")
 
-    def _wait_file(self, name: str, timeout_s: float = 300.0) -> Optional[str]:
+    def _arm(self, fault: Fault) -> None:
+        """Choose the target and put up the gates of ``fault``."""
+        if fault.kind == "node-loss":
+            import ray
+
+            names = self.cluster.node_names(ray.nodes())
+            workers = self.trainer.workers
+            off_head = [w["rank"] for w in workers if names.get(w["node_id"], "head") != "head"]
+            if not off_head:
+                fault.kind, fault.note = "step-kill", "every worker is on the head node: a step-kill instead"
+            else:
+                fault.rank = off_head[fault.rank % len(off_head)]
+                fault.node = names[workers[fault.rank]["node_id"]]
+        if fault.kind == "restore-kill":  # what the recovery will read back: the last checkpoint
+            fault.checkpoint = str(self.trainer.controller.last_checkpoint)
+            self._write("io.gate", f"read {fault.checkpoint}/shard_")
+        if fault.kind == "save-kill":
+            fault.rank %= self.trainer.num_workers
+            self._write("io.gate", f"write step_{fault.step:08d}/shard_{fault.rank:05d}")
+        else:
+            self._arm_loss_gate(fault)
+
+    def _wait_file(self, name: str, timeout_s: float = 120.0) -> Optional[str]:
         path = self._path(name)
         if not wait_until(lambda: os.path.exists(path), timeout_s, 0.02):
             return None
@@ -204,39 +238,32 @@ class Injector:
             return False
         return wait_until(lambda: self.trainer.step_count >= fault.step - 1, 60, 0.01)
 
-    def _kill_at_loss_gate(self, fault: Fault) -> Optional[int]:
-        pid = self._arm_loss_gate(fault)
+    def _kill_at_loss_gate(self, fault: Fault) -> bool:
         if not self._at_gate(fault):
-            return None
-        _signal(pid, signal.SIGKILL)
+            return False
+        _signal(fault.pid, signal.SIGKILL)
         fault.landed = True
-        wait_until(lambda: not _alive(pid), 30)
-        return pid
+        wait_until(lambda: not _alive(fault.pid), 30)
+        return True
 
     def _step_kill(self, fault: Fault) -> None:
-        pid = self._kill_at_loss_gate(fault)
-        fault.note = fault.note or f"SIGKILL pid {pid} in loss_fn"
+        if self._kill_at_loss_gate(fault):
+            fault.note = "; ".join(filter(None, [fault.note, f"SIGKILL pid {fault.pid} (worker {fault.rank}) in loss_fn"]))
 
     def _restore_kill(self, fault: Fault) -> None:
-        checkpoint = str(self.trainer.controller.last_checkpoint)
-        with open(self._path("io.gate"), "w") as f:
-            f.write(f"read {checkpoint}/shard_")
-        first = self._kill_at_loss_gate(fault)
-        if first is None:
+        if not self._kill_at_loss_gate(fault):
             return
-        blocked = self._wait_file("io.blocked", timeout_s=300)
+        blocked = self._wait_file("io.blocked")
         if blocked is None:
             fault.landed, fault.note = False, "no worker read the checkpoint back"
             return
         pid = int(blocked.split()[0])
         _signal(pid, signal.SIGKILL)
         wait_until(lambda: not _alive(pid), 30)
-        fault.note = f"SIGKILL pid {first} in loss_fn, then pid {pid} reading {os.path.basename(checkpoint)}"
+        fault.note = (f"SIGKILL pid {fault.pid} (worker {fault.rank}) in loss_fn, then pid {pid} reading "
+                      f"{os.path.basename(fault.checkpoint)} back")
 
     def _save_kill(self, fault: Fault) -> None:
-        rank = fault.rank % self.trainer.num_workers
-        with open(self._path("io.gate"), "w") as f:
-            f.write(f"write step_{fault.step:08d}/shard_{rank:05d}")
         blocked = self._wait_file("io.blocked")
         if blocked is None:
             fault.note = "the save never reached the gate"
@@ -245,30 +272,25 @@ class Injector:
         _signal(pid, signal.SIGKILL)
         fault.landed = True
         wait_until(lambda: not _alive(pid), 30)
-        fault.note = f"SIGKILL pid {pid} writing shard {rank} of step {fault.step}"
+        fault.note = f"SIGKILL pid {pid} writing shard {fault.rank} of step {fault.step}"
 
     def _node_loss(self, fault: Fault) -> None:
-        import ray
-
-        names = self.cluster.node_names(ray.nodes())
-        workers = self.trainer.workers
-        off_head = [w["rank"] for w in workers if names.get(w["node_id"], "head") != "head"]
-        if not off_head:
-            fault.note = "every worker is on the head node: a step-kill instead"
-            return self._step_kill(fault)
-        fault.rank = off_head[fault.rank % len(off_head)]
-        node = names[workers[fault.rank]["node_id"]]
-        self._arm_loss_gate(fault)
         if not self._at_gate(fault):
             return
-        self.cluster.kill_node(node)
-        fault.landed = True
+        lost_at = time.monotonic()
+        self.cluster.kill_node(fault.node)
+        # The worker stays at its gate until it notices that its raylet is gone and exits, as
+        # it would if its machine had died inside the step; it must not finish the step first.
+        gone = wait_until(lambda: not _alive(fault.pid), 120)
+        exited = f"its worker exited {time.monotonic() - lost_at:.1f} s later" if gone else \
+            "its worker was STILL RUNNING 120 s later"
         self._clear("loss.gate", "loss.blocked")
         added = self.cluster.add_node()
-        fault.note = f"lost node {node} (worker {fault.rank}), {added} joined"
+        fault.note = f"lost node {fault.node} (worker {fault.rank}; {exited}), {added} joined"
+        fault.landed = gone
 
     def _hang(self, fault: Fault) -> None:
-        pid = self._arm_loss_gate(fault)
+        pid = fault.pid
         if not self._at_gate(fault):
             return
         _signal(pid, signal.SIGSTOP)
@@ -278,7 +300,7 @@ class Injector:
         resumed = _alive(pid)
         _signal(pid, signal.SIGCONT)
         wait_until(lambda: not _alive(pid), 60)
-        fault.note = (f"SIGSTOP pid {pid}, SIGCONT {self.collective_timeout_s + 5:.0f} s later "
+        fault.note = (f"SIGSTOP pid {pid} (worker {fault.rank}), SIGCONT {self.collective_timeout_s + 5:.0f} s later "
                       f"({'it was still there' if resumed else 'the driver had killed it'})")
 
     def _resize_during_fit(self, fault: Fault) -> None:
