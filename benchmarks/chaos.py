@@ -35,6 +35,7 @@ import functools
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -374,7 +375,7 @@ def main(argv=None) -> int:
     else:
         cluster = LocalCluster.start()
         say(f"cluster up in {time.monotonic() - t_start:.0f} s ({cluster.dir})")
-    ok, report = False, {}
+    ok, report, control = False, {}, None
     try:
         os.environ.update(cluster.client_env())
         os.environ.pop("RAY_ADDRESS", None)
@@ -486,6 +487,8 @@ def main(argv=None) -> int:
                 say(problem)
                 ok = False
     report["ok"] = ok
+    if ok and control:
+        shutil.rmtree(control, ignore_errors=True)  # kept for the post-mortem otherwise
     say("CHAOS_REPORT " + json.dumps(report))
     return 0 if ok else 1
 

@@ -19,6 +19,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def parent(args) -> int:
         cluster = LocalCluster.attach(cluster_dir, int(head), int(dash))
     else:
         cluster = LocalCluster.start()
-    report, ok = {}, False
+    report, ok, control = {}, False, None
     child_proc = None
     try:
         os.environ.update(cluster.client_env())
@@ -172,6 +173,8 @@ def parent(args) -> int:
                 print(problem, flush=True)
                 ok = False
     report["ok"] = ok
+    if ok and control:
+        shutil.rmtree(control, ignore_errors=True)  # kept for the post-mortem otherwise
     print("DRIVER_DEATH_REPORT " + json.dumps(report), flush=True)
     return 0 if ok else 1
 
