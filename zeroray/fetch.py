@@ -78,13 +78,17 @@ class FetchCoordinator:
     def __init__(self, units: Units, gatherer: UnitGatherer, group: Group, waiter: Waiter,
                  modules: Sequence[torch.nn.Module], module_names: Sequence[str],
                  module_needs: Sequence[Tuple[int, ...]], *, reshard: bool, prefetch: bool,
-                 prefetch_bytes: int, max_live_bytes: int, reuse_distance: int) -> None:
+                 prefetch_bytes: Optional[int], max_live_bytes: Optional[int], reuse_distance: int) -> None:
         self.units, self.gatherer, self.group, self.wait = units, gatherer, group, waiter
         self.modules, self.module_names = list(modules), list(module_names)
         self.module_needs = [tuple(n) for n in module_needs]
         self.reshard = reshard
-        self.prefetch, self.prefetch_bytes = prefetch, prefetch_bytes
-        self.max_live_bytes, self.reuse_distance = max_live_bytes, reuse_distance
+        # None: sized from the model (ZeroConfig's docstring): one module call's gather ahead, no other bound
+        largest_call = max((sum(units[u].nbytes for u in needs) for needs in self.module_needs), default=0)
+        self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes if prefetch_bytes is not None else max(largest_call, 1)
+        self.max_live_bytes = max_live_bytes if max_live_bytes is not None else sum(u.nbytes for u in units)
+        self.reuse_distance = reuse_distance
         self.layout = units.layout
         self._index_of = {id(m): i for i, m in enumerate(self.modules)}
         self.negotiator = Negotiator(group, gatherer, units, waiter)

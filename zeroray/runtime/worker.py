@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from zeroray.process_memory import ProcessMemory
 from zeroray.runtime.batch_transport import unpack
 
 
@@ -39,6 +40,7 @@ class Worker:
         self._lock = threading.Lock()
         self.last_step_time = 0.0
         self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/data.py)
+        self.memory = ProcessMemory()  # before the model: the baseline; engine work on one thread
 
     # --- wiring ----------------------------------------------------------------------------
 
@@ -80,11 +82,11 @@ class Worker:
         self.group = make_torch_group(backend, self.rank, self.world_size, master_addr, master_port,
                                       timeout_s=zero.collective_timeout_s, store_prefix=spec.get("group_name", "zr"))
         t0 = time.perf_counter()
-        self.engine = Engine(spec["model_fn"], spec["loss_fn"], spec["optimizer"], zero, self.group,
-                             seed=spec["seed"], device=device, param_groups=spec.get("param_groups"),
-                             scheduler=spec.get("scheduler"))
+        self.engine = self.memory.build(Engine, spec["model_fn"], spec["loss_fn"], spec["optimizer"], zero, self.group,
+                                        seed=spec["seed"], device=device, param_groups=spec.get("param_groups"),
+                                        scheduler=spec.get("scheduler"))
         return {"layout": self.engine.layout.to_dict(), "build_s": time.perf_counter() - t0,
-                "peak_rss_bytes": _peak_rss_bytes(), "state_dict_keys": list(self.engine.model.state_dict(keep_vars=True).keys())}
+                "peak_rss_bytes": self.memory.report()["peak_rss_bytes"], "state_dict_keys": list(self.engine.model.state_dict(keep_vars=True).keys())}
 
     # --- training --------------------------------------------------------------------------
 
@@ -92,7 +94,7 @@ class Worker:
         t_start = time.time()
         with self._lock:
             t_engine = time.time()
-            stats = self.engine.train_step(unpack(batch))
+            stats = self.memory.step(self.engine.train_step, unpack(batch))
             t_engine_end = time.time()
         self.last_step_time = stats.time_s
         return {"loss": stats.loss, "grad_norm": stats.grad_norm, "step": stats.step, "skipped": stats.skipped,
@@ -141,9 +143,8 @@ class Worker:
     def memory_report(self) -> Dict[str, Any]:
         from zeroray.memory_report import measure
 
-        report = measure(self.engine)
+        report = measure(self.engine, self.memory.report())
         report["rank"] = self.rank
-        report["peak_rss_bytes"] = _peak_rss_bytes()
         report["rss_bytes"] = _current_rss_bytes()
         return report
 
