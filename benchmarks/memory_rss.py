@@ -9,7 +9,9 @@ each worker's ``memory_report()['rss']`` breaks its peak RSS over the steps into
 baseline, the model states (measured, equal to the estimate), the stage-3 gathered window, the
 bucket and staging pools, the activations at the end of forward, and the rest ("other":
 temporaries, later imports, allocator slack); see [Note: RSS breakdown] in
-zeroray/memory_report.py. Construction's own peak and the slack at rest come beside it. The
+zeroray/memory_report.py. Construction's own peak and the slack at rest come beside it, and
+the communication the last step left exposed (comm_report's exposed_s, a wall time: it moves
+with the machine's load), which is what the stage-3 window buys. The
 torch rows report their baseline (RSS after process-group setup, before the model), their
 peak RSS and the model states of the paper's formula (DDP: stage 0, FSDP2: stage 3).
 
@@ -118,16 +120,20 @@ class ZerorayRows:
         try:
             losses = [float(trainer.step(batch).loss) for batch in global_batches(spec)]
             reports = trainer.memory_report()
+            exposed = max(c.get("exposed_s", 0.0) for c in trainer.comm_report())
         finally:
             trainer.shutdown()
         workers = []
         for rep in reports:
-            rss = dict(rep.get("rss") or {"peak_rss": rep.get("peak_rss_bytes"),
-                                          "model_states": rep["measured"]["total"]})
+            # A zeroray without the breakdown (before issue 17): the parts its report has.
+            rss = dict(rep.get("rss") or {
+                "peak_rss": rep.get("peak_rss_bytes"), "model_states": rep["measured"]["total"],
+                "gathered_window": rep.get("gathered_params_peak"), "buckets": rep.get("bucket_buffers"),
+                "activations": rep.get("activations_peak")})
             rss["estimate"] = rep["estimate"]["total"]
             rss["paper"] = rep["paper"]["total"]
             workers.append(rss)
-        return {"workers": workers, "losses": losses}
+        return {"workers": workers, "losses": losses, "exposed_s": exposed}
 
     def close(self) -> None:
         if self.started and self.ray.is_initialized():
@@ -154,14 +160,15 @@ def worst(rec: dict) -> dict:
 
 
 def table(records: dict) -> str:
-    header = ["row"] + [title for _, title in COLUMNS]
+    header = ["row"] + [title for _, title in COLUMNS] + ["exposed s"]
     lines = []
     for name, rec in records.items():
         if "error" in rec:
             lines.append([name, "FAILED: " + rec["error"][:90]])
             continue
         w = worst(rec)
-        lines.append([name] + ["-" if w.get(k) is None else f"{w[k] / MB:.0f}" for k, _ in COLUMNS])
+        exposed = f"{rec['exposed_s']:.3f}" if rec.get("exposed_s") is not None else "-"
+        lines.append([name] + ["-" if w.get(k) is None else f"{w[k] / MB:.0f}" for k, _ in COLUMNS] + [exposed])
     widths = [max(len(r[i]) for r in [header, *lines] if i < len(r)) for i in range(len(header))]
     out = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(header, widths)))]
     out.append("  ".join("-" * w for w in widths))

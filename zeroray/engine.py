@@ -6,15 +6,18 @@ torch processes. The Ray worker actor (runtime/worker.py) only wraps it.
 [Note: stage data flow]
 Tensors per rank (Φ trainable elements, W workers, "shard" = ``layout.shard_numel``):
 
-stage | full params (compute dtype)     | local param shard      | fp32 grad    | fp32 master + optimizer
-0     | persistent arena                | -                      | full         | full
-1, 2  | persistent arena                | shard (gather source)  | shard        | shard
-3     | per unit, gathered on demand    | shard                  | shard        | shard
+stage | full params (compute dtype)     | local param shard          | fp32 grad    | fp32 master + optimizer
+0     | persistent arena                | -                          | full         | full
+1, 2  | persistent arena                | the arena's rows (no copy) | shard        | shard
+3     | per unit, gathered on demand    | shard                      | shard        | shard
 
-In fp32 the master is the parameter tensor itself (the local shard for stages 1-3, the
-arena for stage 0): no copy. Gradients leave autograd through a post-accumulate hook and
-go straight into the coalescing buckets (comm/buckets.py), which all-reduce (stage 0) or
-reduce-scatter (stages 1-3) them into the fp32 gradient. Stages 0 and 1 with gradient
+At stages 1-2 the local shard is this rank's rows of the arena ([Note: local shard] in
+local_shard.py): the gather source, updated in place. In fp32 the master is the parameter
+tensor itself (those rows at stages 1-2, the local shard at stage 3, the arena at stage 0):
+no copy; in mixed precision it is a contiguous fp32 shard. Gradients leave autograd
+through a post-accumulate hook and go straight into the coalescing buckets
+(comm/buckets.py), which all-reduce (stage 0) or reduce-scatter (stages 1-3) them into the
+fp32 gradient. Stages 0 and 1 with gradient
 accumulation let autograd accumulate full gradients locally and reduce once, on the last
 micro-batch; stages 2 and 3 reduce-scatter every micro-batch into the fp32 shard, so the
 accumulated gradient only ever exists as the owner's shard ([Note: stage policy]).
