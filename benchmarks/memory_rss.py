@@ -11,7 +11,8 @@ bucket and staging pools, the activations at the end of forward, and the rest ("
 temporaries, later imports, allocator slack); see [Note: RSS breakdown] in
 zeroray/memory_report.py. Construction's own peak and the slack at rest come beside it, and
 the communication the last step left exposed (comm_report's exposed_s, a wall time: it moves
-with the machine's load), which is what the stage-3 window buys. The
+with the machine's load) and, at stage 3, how many of its unit gathers the prefetch window
+did not cover (fetched on demand): what the window buys. The
 torch rows report their baseline (RSS after process-group setup, before the model), their
 peak RSS and the model states of the paper's formula (DDP: stage 0, FSDP2: stage 3).
 
@@ -120,7 +121,9 @@ class ZerorayRows:
         try:
             losses = [float(trainer.step(batch).loss) for batch in global_batches(spec)]
             reports = trainer.memory_report()
-            exposed = max(c.get("exposed_s", 0.0) for c in trainer.comm_report())
+            comm = trainer.comm_report()
+            exposed = max(c.get("exposed_s", 0.0) for c in comm)
+            on_demand = max(c.get("on_demand", 0) for c in comm)  # stage 3: gathers the window did not cover
         finally:
             trainer.shutdown()
         workers = []
@@ -133,7 +136,7 @@ class ZerorayRows:
             rss["estimate"] = rep["estimate"]["total"]
             rss["paper"] = rep["paper"]["total"]
             workers.append(rss)
-        return {"workers": workers, "losses": losses, "exposed_s": exposed}
+        return {"workers": workers, "losses": losses, "exposed_s": exposed, "on_demand": on_demand}
 
     def close(self) -> None:
         if self.started and self.ray.is_initialized():
@@ -160,7 +163,7 @@ def worst(rec: dict) -> dict:
 
 
 def table(records: dict) -> str:
-    header = ["row"] + [title for _, title in COLUMNS] + ["exposed s"]
+    header = ["row"] + [title for _, title in COLUMNS] + ["exposed s", "on demand"]
     lines = []
     for name, rec in records.items():
         if "error" in rec:
@@ -168,7 +171,9 @@ def table(records: dict) -> str:
             continue
         w = worst(rec)
         exposed = f"{rec['exposed_s']:.3f}" if rec.get("exposed_s") is not None else "-"
-        lines.append([name] + ["-" if w.get(k) is None else f"{w[k] / MB:.0f}" for k, _ in COLUMNS] + [exposed])
+        demand = str(rec["on_demand"]) if rec.get("on_demand") else "-"
+        lines.append([name] + ["-" if w.get(k) is None else f"{w[k] / MB:.0f}" for k, _ in COLUMNS]
+                     + [exposed, demand])
     widths = [max(len(r[i]) for r in [header, *lines] if i < len(r)) for i in range(len(header))]
     out = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(header, widths)))]
     out.append("  ".join("-" * w for w in widths))

@@ -17,10 +17,10 @@ tensor itself (those rows at stages 1-2, the local shard at stage 3, the arena a
 no copy; in mixed precision it is a contiguous fp32 shard. Gradients leave autograd
 through a post-accumulate hook and go straight into the coalescing buckets
 (comm/buckets.py), which all-reduce (stage 0) or reduce-scatter (stages 1-3) them into the
-fp32 gradient. Stages 0 and 1 with gradient
-accumulation let autograd accumulate full gradients locally and reduce once, on the last
-micro-batch; stages 2 and 3 reduce-scatter every micro-batch into the fp32 shard, so the
-accumulated gradient only ever exists as the owner's shard ([Note: stage policy]).
+fp32 gradient. Stages 0 and 1 with gradient accumulation let autograd accumulate full
+gradients locally and reduce once, on the last micro-batch; stages 2 and 3 reduce-scatter
+every micro-batch into the fp32 shard, so the accumulated gradient only ever exists as the
+owner's shard ([Note: stage policy]).
 
 One step: every micro-batch runs ``loss_fn`` and backward with the coordinator fetching
 units (fetch.py) and the buckets reducing gradients; then one status all-reduce carries the
@@ -589,13 +589,13 @@ def _adopt_kept_arena(layout: FlatLayout, kept: Dict[str, Tuple[int, int, torch.
     """The fp32 arena in which a sharded build left this rank's slices, laid out as the local
     shard ([Note: sharded construction] in sharded_init.py), as a 1D tensor with zero padding;
     None when the slices are not there (another dtype or device), and they are then copied."""
-    storage = next((v.untyped_storage() for lo, hi, v in kept.values() if hi > lo), None)
-    if (storage is None or storage.device != device
-            or storage.nbytes() != layout.shard_numel * torch.float32.itemsize):
+    held = [v for lo, hi, v in kept.values() if hi > lo]
+    if not held or any(v.dtype != torch.float32 for v in held):
+        return None
+    storage = held[0].untyped_storage()
+    if storage.device != device or storage.nbytes() != layout.shard_numel * torch.float32.itemsize:
         return None
     shard = torch.empty(0, dtype=torch.float32, device=device).set_(storage, 0, (layout.shard_numel,))
-    if any(hi > lo and v.dtype != torch.float32 for lo, hi, v in kept.values()):
-        return None
     with torch.no_grad():
         for unit in layout.units:  # the tail of each unit's slice is padding, never written
             lo, hi = unit.rank_range(rank)
