@@ -39,12 +39,13 @@ class ZeroConfig:
     reduce_dtype: dtype gradients are reduced in (None: fp32).
     bucket_bytes: size of one coalescing bucket (C_B) for gradient reduction and gathers.
     prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use. None
-        (default): sized from the model, the largest gather one module call makes (a GPT's block,
-        the unit roots of the wrap policy): the next module's parameters are always in flight
-        while the current one computes, as FSDP2 prefetches one unit ahead, whatever the size of
-        the blocks. A larger window gathers further ahead and holds the memory; a smaller one
-        leaves part of each module's gather on demand. A unit whose next use lies inside the
-        window stays gathered (see reuse_distance). Measurements in benchmarks/README.md.
+        (default): sized from the model, the bytes of its largest unit (the grain of gathers,
+        see zeroray/arena.py), so that every unit can be gathered ahead of its use, but never
+        less than one coalescing bucket (bucket_bytes): a smaller window saves less memory than
+        one bucket buffer holds and costs collectives. A unit whose next use lies inside the
+        window stays gathered (see reuse_distance), so a model smaller than the window is
+        gathered once per step. A larger window (a whole block of a large model) gathers
+        further ahead and holds the memory at the peak. Measurements in benchmarks/README.md.
     max_live_bytes: stage 3, bound on gathered parameter bytes held at once (excluding the
         module being computed, which must always be gathered). None (default): no bound of its
         own; the prefetch window and reuse_distance decide what stays gathered.

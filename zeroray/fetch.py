@@ -83,10 +83,10 @@ class FetchCoordinator:
         self.modules, self.module_names = list(modules), list(module_names)
         self.module_needs = [tuple(n) for n in module_needs]
         self.reshard = reshard
-        # None: sized from the model (ZeroConfig's docstring): one module call's gather ahead, no other bound
-        largest_call = max((sum(units[u].nbytes for u in needs) for needs in self.module_needs), default=0)
+        # None: sized from the model (see ZeroConfig): the largest unit, at least one bucket; no other bound
         self.prefetch = prefetch
-        self.prefetch_bytes = prefetch_bytes if prefetch_bytes is not None else max(largest_call, 1)
+        self.prefetch_bytes = prefetch_bytes if prefetch_bytes is not None else \
+            max(max(u.nbytes for u in units), gatherer.bucket_bytes)
         self.max_live_bytes = max_live_bytes if max_live_bytes is not None else sum(u.nbytes for u in units)
         self.reuse_distance = reuse_distance
         self.layout = units.layout
