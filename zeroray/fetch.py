@@ -7,7 +7,8 @@ access.py) and from autograd unpacking a saved view of a unit in backward.
 
 Persistent units (stages 1-2): the all-gathers that publish the optimizer's update are all
 started at the end of a step; the first module (or read) that needs a unit waits for its
-gather ([Note: deferred publish]). Nothing is freed.
+gather ([Note: deferred publish]). No unit is freed; the staging buffers of the publish are,
+once its last gather has been waited for (comm/gather.py, release_idle).
 
 Stage 3 follows the schedule of a verified trace ([Note: fetch trace] in trace.py), or, in a
 step without one, negotiates every fetch ([Note: negotiated fetch] in negotiate.py).
@@ -214,6 +215,8 @@ class FetchCoordinator:
         """Finish every gather in flight (stages 1-2 publish); see [Note: deferred publish]."""
         for u in self.units.holding():
             self.units.wait(u, self.wait)
+        if not self.reshard:
+            self.gatherer.release_idle()
 
     def publish(self) -> None:
         """Stages 1-2, after the optimizer step: start gathering every unit from the updated shard."""
@@ -302,6 +305,7 @@ class FetchCoordinator:
             if kind is EventKind.FORWARD:
                 for u in self.module_needs[index]:
                     self.units.wait(u, self.wait)
+                self.gatherer.release_idle()  # the publish's staging, once its last gather is waited for
             return
         released = self._track(kind, index)
         if self.mode is Mode.FOLLOW:

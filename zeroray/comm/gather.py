@@ -147,6 +147,14 @@ class UnitGatherer:
         self._pool_bytes += buf.numel() * buf.element_size()
         return buf
 
+    def release_idle(self) -> None:
+        """Drop the staging buffers once none is in use. Stages 1-2 gather only to publish an
+        update; between the last wait for it and the next publish, the buffers' memory is
+        better back in the heap, where the step's activations take it from."""
+        if self.pool_size and len(self._free) == self.pool_size:
+            self._free.clear()
+            self.pool_size = self._pool_bytes = 0
+
     def buffer_bytes(self) -> int:
         """Bytes of the staging buffers allocated and not dropped (in use or free)."""
         return self._pool_bytes
