@@ -38,14 +38,17 @@ class ZeroConfig:
     dtype: compute dtype of parameters and gradients; the optimizer keeps an fp32 master shard.
     reduce_dtype: dtype gradients are reduced in (None: fp32).
     bucket_bytes: size of one coalescing bucket (C_B) for gradient reduction and gathers.
-    prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use. About
-        one transformer block of a mid-size model: a window much larger than that gathers far
-        ahead of use and holds the memory, one smaller than the largest unit leaves fetches on
-        demand. A unit whose next use lies inside the window stays gathered (see
-        reuse_distance), so a model smaller than the window is gathered once per step. The
-        default's measurements are in benchmarks/README.md.
+    prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use. None
+        (default): sized from the model, the bytes of its largest unit (the grain of gathers,
+        see zeroray/arena.py), so that every unit can be gathered ahead of its use, but never
+        less than one coalescing bucket (bucket_bytes): a smaller window saves less memory than
+        one bucket buffer holds and costs collectives. A unit whose next use lies inside the
+        window stays gathered (see reuse_distance), so a model smaller than the window is
+        gathered once per step. A larger window (a whole block of a large model) gathers
+        further ahead and holds the memory at the peak. Measurements in benchmarks/README.md.
     max_live_bytes: stage 3, bound on gathered parameter bytes held at once (excluding the
-        module being computed, which must always be gathered).
+        module being computed, which must always be gathered). None (default): no bound of its
+        own; the prefetch window and reuse_distance decide what stays gathered.
     reuse_distance: stage 3, a module whose parameters are needed again within this many
         module calls is kept gathered instead of refetched (as is one whose next use lies within
         the prefetch window: the prefetcher would fetch it again at once).
@@ -63,8 +66,8 @@ class ZeroConfig:
     dtype: str = "fp32"
     reduce_dtype: Optional[str] = None
     bucket_bytes: int = 16 * 2**20
-    prefetch_bytes: int = 16 * 2**20
-    max_live_bytes: int = 256 * 2**20
+    prefetch_bytes: Optional[int] = None
+    max_live_bytes: Optional[int] = None
     reuse_distance: int = 2
     prefetch: bool = True
     grad_accum_steps: int = 1
@@ -93,8 +96,11 @@ class ZeroConfig:
             _fail(c, "reduce_dtype", self.reduce_dtype, f"choose one of {DTYPES} or None (fp32)")
         for name in ("bucket_bytes", "prefetch_bytes", "max_live_bytes"):
             value = getattr(self, name)
+            if name != "bucket_bytes" and value is None:
+                continue  # sized from the model when the engine is built
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                _fail(c, name, value, "it must be a positive number of bytes (an int > 0)")
+                _fail(c, name, value, "it must be a positive number of bytes (an int > 0)"
+                      + ("" if name == "bucket_bytes" else " or None (sized from the model)"))
         for name in ("prefetch", "offload_activations", "sharded_init", "cast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "it must be True or False")

@@ -6,18 +6,21 @@ torch processes. The Ray worker actor (runtime/worker.py) only wraps it.
 [Note: stage data flow]
 Tensors per rank (Φ trainable elements, W workers, "shard" = ``layout.shard_numel``):
 
-stage | full params (compute dtype)     | local param shard      | fp32 grad    | fp32 master + optimizer
-0     | persistent arena                | -                      | full         | full
-1, 2  | persistent arena                | shard (gather source)  | shard        | shard
-3     | per unit, gathered on demand    | shard                  | shard        | shard
+stage | full params (compute dtype)     | local param shard          | fp32 grad    | fp32 master + optimizer
+0     | persistent arena                | -                          | full         | full
+1, 2  | persistent arena                | the arena's rows (no copy) | shard        | shard
+3     | per unit, gathered on demand    | shard                      | shard        | shard
 
-In fp32 the master is the parameter tensor itself (the local shard for stages 1-3, the
-arena for stage 0): no copy. Gradients leave autograd through a post-accumulate hook and
-go straight into the coalescing buckets (comm/buckets.py), which all-reduce (stage 0) or
-reduce-scatter (stages 1-3) them into the fp32 gradient. Stages 0 and 1 with gradient
-accumulation let autograd accumulate full gradients locally and reduce once, on the last
-micro-batch; stages 2 and 3 reduce-scatter every micro-batch into the fp32 shard, so the
-accumulated gradient only ever exists as the owner's shard ([Note: stage policy]).
+At stages 1-2 the local shard is this rank's rows of the arena ([Note: local shard] in
+local_shard.py): the gather source, updated in place. In fp32 the master is the parameter
+tensor itself (those rows at stages 1-2, the local shard at stage 3, the arena at stage 0):
+no copy; in mixed precision it is a contiguous fp32 shard. Gradients leave autograd
+through a post-accumulate hook and go straight into the coalescing buckets
+(comm/buckets.py), which all-reduce (stage 0) or reduce-scatter (stages 1-3) them into the
+fp32 gradient. Stages 0 and 1 with gradient accumulation let autograd accumulate full
+gradients locally and reduce once, on the last micro-batch; stages 2 and 3 reduce-scatter
+every micro-batch into the fp32 shard, so the accumulated gradient only ever exists as the
+owner's shard ([Note: stage policy]).
 
 One step: every micro-batch runs ``loss_fn`` and backward with the coordinator fetching
 units (fetch.py) and the buckets reducing gradients; then one status all-reduce carries the
@@ -48,6 +51,7 @@ from zeroray.comm.waiter import Waiter
 from zeroray.config import ZeroConfig, validate_optimizer
 from zeroray.errors import CollectiveError, PeerStepError, StepError
 from zeroray.fetch import FetchCoordinator
+from zeroray.local_shard import LocalShard
 from zeroray.optim import LossScaler, ShardedOptimizer, build_segments
 from zeroray.sharded_init import build_sharded
 from zeroray.stage import StagePolicy
@@ -173,27 +177,50 @@ class Engine:
 
     def _build_storage(self, named: Dict[str, torch.nn.Parameter],
                        kept: Optional[Dict[str, Tuple[int, int, torch.Tensor]]] = None) -> None:
-        layout, fp32 = self.layout, self.dtype == torch.float32
-        # The fp32 initial values of the rank's shard, taken before the parameters are rebound.
-        init_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)  # 1D
-        for name in layout.param_names:
-            piece, lo, hi = layout.param_shard_view(init_shard, name, self.rank)
-            if hi > lo:
-                # pop: each kept slice is freed once copied, so construction never holds two shards
-                values = kept.pop(name)[2] if kept is not None else named[name].detach().reshape(-1)[lo:hi]
-                piece.copy_(values.float())
-        self.units = Units(layout, self.dtype, self.device, persistent=not self.policy.reshard_after_use)
+        """The units' buffers, the master, the parameter shard and the gradient of [Note: stage
+        data flow]; every tensor the step needs that the optimizer does not allocate itself."""
+        layout, fp32, policy = self.layout, self.dtype == torch.float32, self.policy
+        # The fp32 initial values of the rank's shard, taken before bind rebinds the parameters:
+        # the master of stage 3 and of mixed precision at stages 1-2. fp32 stages 0-2 need none,
+        # their master is the arena itself or its rows ([Note: local shard] in local_shard.py).
+        init_shard = None
+        if policy.reshard_after_use or (policy.keeps_param_shard and not fp32):
+            init_shard = self._initial_shard(named, kept)
+        self.units = Units(layout, self.dtype, self.device, persistent=not policy.reshard_after_use)
         self.units.bind(named, copy_values=kept is None)
-        if not self.policy.keeps_param_shard:
+        if not policy.keeps_param_shard:  # stage 0
             self.param_shard = None
-            self.master = self.units.arena if fp32 else self.units.arena.float()  # 1D full
+            arena = self.units.arena
+            self.master = LocalShard.contiguous(arena if fp32 else arena.float())             # 1D full fp32
             self.grad = torch.zeros(layout.full_numel, dtype=torch.float32, device=self.device)  # 1D full
-        else:
-            self.master = init_shard                                                          # 1D shard fp32
-            self.param_shard = self.master if fp32 else init_shard.to(self.dtype)              # 1D shard
+        elif not policy.reshard_after_use:  # stages 1-2: the shard is the arena's rows
+            self.param_shard = LocalShard.arena_rows(layout, self.units.arena, self.rank)      # 1D shard
+            self.master = self.param_shard if fp32 else LocalShard.contiguous(init_shard)    # 1D shard fp32
+            self.grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)  # 1D shard
+        else:  # stage 3
+            self.master = LocalShard.contiguous(init_shard)                                   # 1D shard fp32
+            self.param_shard = self.master if fp32 else LocalShard.contiguous(init_shard.to(self.dtype))
             self.grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)  # 1D shard
         self.gatherer = UnitGatherer(layout, self.group, self.param_shard, self.zero.bucket_bytes) \
             if self.param_shard is not None else None
+
+    def _initial_shard(self, named: Dict[str, torch.nn.Parameter],
+                       kept: Optional[Dict[str, Tuple[int, int, torch.Tensor]]]) -> torch.Tensor:
+        """This rank's fp32 shard of the initial values (1D), from the kept slices of a sharded
+        build (which arrive laid out as the shard: that arena is adopted, not copied) or from
+        the whole parameters."""
+        layout = self.layout
+        shard = _adopt_kept_arena(layout, kept, self.rank, self.device) if kept is not None else None
+        if shard is None:
+            shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
+        for name in layout.param_names:
+            piece, lo, hi = layout.param_shard_view(shard, name, self.rank)
+            if hi > lo:
+                # pop: each kept slice that is not in place is freed once copied
+                values = kept.pop(name)[2] if kept is not None else named[name].detach().reshape(-1)[lo:hi]
+                if values.data_ptr() != piece.data_ptr():
+                    piece.copy_(values.float())
+        return shard
 
     def _local_spans(self, named, param_groups) -> List[Tuple[int, int, dict]]:
         """(start, end, overrides) of each parameter's piece in the master tensor, in order."""
@@ -215,7 +242,8 @@ class Engine:
         return spans
 
     def _build_optimizer(self, spec, named, param_groups, scheduler) -> None:
-        segments = build_segments(self._local_spans(named, param_groups), self.master.numel())
+        segments = build_segments(self._local_spans(named, param_groups), self.master.numel(),
+                                  breaks=self.master.breaks())
         self.optimizer = ShardedOptimizer(spec, self.master, self.grad, segments, self.zero.max_grad_norm, scheduler)
 
     def _hooked_modules(self) -> Tuple[List[torch.nn.Module], List[str], List[Tuple[int, ...]]]:
@@ -454,7 +482,7 @@ class Engine:
         with torch.no_grad():
             if not self.policy.keeps_param_shard:
                 if not fp32:
-                    self.units.arena.copy_(self.master)
+                    self.units.arena.copy_(self.master.as_tensor())
                 return
             if not fp32:
                 self.param_shard.copy_(self.master)
@@ -489,8 +517,8 @@ class Engine:
     def master_shard(self) -> torch.Tensor:
         """This rank's fp32 master in the layout's shard coordinates (all stages alike)."""
         if self.policy.keeps_param_shard:
-            return self.master.detach().cpu().clone()
-        return self._full_to_shard(self.master.detach())
+            return self.master.cpu()
+        return self._full_to_shard(self.master.as_tensor().detach())
 
     def _full_to_shard(self, full: torch.Tensor) -> torch.Tensor:
         """Stage 0 keeps full-size tensors; checkpoints hold every stage in shard coordinates."""
@@ -560,3 +588,22 @@ class Engine:
             self.access.remove()
         self._restore_forwards()
         self.activations.inner = None
+
+
+def _adopt_kept_arena(layout: FlatLayout, kept: Dict[str, Tuple[int, int, torch.Tensor]], rank: int,
+                      device: torch.device) -> Optional[torch.Tensor]:
+    """The fp32 arena in which a sharded build left this rank's slices, laid out as the local
+    shard ([Note: sharded construction] in sharded_init.py), as a 1D tensor with zero padding;
+    None when the slices are not there (another dtype or device), and they are then copied."""
+    held = [v for lo, hi, v in kept.values() if hi > lo]
+    if not held or any(v.dtype != torch.float32 for v in held):
+        return None
+    storage = held[0].untyped_storage()
+    if storage.device != device or storage.nbytes() != layout.shard_numel * torch.float32.itemsize:
+        return None
+    shard = torch.empty(0, dtype=torch.float32, device=device).set_(storage, 0, (layout.shard_numel,))
+    with torch.no_grad():
+        for unit in layout.units:  # the tail of each unit's slice is padding, never written
+            lo, hi = unit.rank_range(rank)
+            shard[unit.shard_offset + hi - lo:unit.shard_offset + unit.shard_numel].zero_()
+    return shard

@@ -7,7 +7,8 @@ access.py) and from autograd unpacking a saved view of a unit in backward.
 
 Persistent units (stages 1-2): the all-gathers that publish the optimizer's update are all
 started at the end of a step; the first module (or read) that needs a unit waits for its
-gather ([Note: deferred publish]). Nothing is freed.
+gather ([Note: deferred publish]). No unit is freed; the staging buffers of the publish are,
+once its last gather has been waited for (comm/gather.py, release_idle).
 
 Stage 3 follows the schedule of a verified trace ([Note: fetch trace] in trace.py), or, in a
 step without one, negotiates every fetch ([Note: negotiated fetch] in negotiate.py).
@@ -78,13 +79,17 @@ class FetchCoordinator:
     def __init__(self, units: Units, gatherer: UnitGatherer, group: Group, waiter: Waiter,
                  modules: Sequence[torch.nn.Module], module_names: Sequence[str],
                  module_needs: Sequence[Tuple[int, ...]], *, reshard: bool, prefetch: bool,
-                 prefetch_bytes: int, max_live_bytes: int, reuse_distance: int) -> None:
+                 prefetch_bytes: Optional[int], max_live_bytes: Optional[int], reuse_distance: int) -> None:
         self.units, self.gatherer, self.group, self.wait = units, gatherer, group, waiter
         self.modules, self.module_names = list(modules), list(module_names)
         self.module_needs = [tuple(n) for n in module_needs]
         self.reshard = reshard
-        self.prefetch, self.prefetch_bytes = prefetch, prefetch_bytes
-        self.max_live_bytes, self.reuse_distance = max_live_bytes, reuse_distance
+        # None: sized from the model (see ZeroConfig): the largest unit, at least one bucket; no other bound
+        self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes if prefetch_bytes is not None else \
+            max(max(u.nbytes for u in units), gatherer.bucket_bytes)
+        self.max_live_bytes = max_live_bytes if max_live_bytes is not None else sum(u.nbytes for u in units)
+        self.reuse_distance = reuse_distance
         self.layout = units.layout
         self._index_of = {id(m): i for i, m in enumerate(self.modules)}
         self.negotiator = Negotiator(group, gatherer, units, waiter)
@@ -211,6 +216,8 @@ class FetchCoordinator:
         """Finish every gather in flight (stages 1-2 publish); see [Note: deferred publish]."""
         for u in self.units.holding():
             self.units.wait(u, self.wait)
+        if not self.reshard:
+            self.gatherer.release_idle()
 
     def publish(self) -> None:
         """Stages 1-2, after the optimizer step: start gathering every unit from the updated shard."""
@@ -298,6 +305,7 @@ class FetchCoordinator:
             if kind is EventKind.FORWARD:
                 for u in self.module_needs[index]:
                     self.units.wait(u, self.wait)
+                self.gatherer.release_idle()  # the publish's staging, once its last gather is waited for
             return
         released = self._track(kind, index)
         if self.mode is Mode.FOLLOW:

@@ -266,6 +266,15 @@ class StorageFreer(TorchDispatchMode):
         if self.failure is not None:
             raise CannotShard(self.failure)
 
+    def release(self) -> None:
+        """Forget every tracked storage, once the kept slices have been collected: whatever
+        still refers to this object (a frame that an import kept alive, say) then holds no
+        parameter memory and no view of the caller's shard arena."""
+        self.records.clear()
+        self.params.clear()
+        self.whole.clear()
+        self.hot.clear()
+
     # --- materialise / free -----------------------------------------------------------------
 
     def _materialise(self, rec: _Freed, blank: bool) -> None:

@@ -1,12 +1,33 @@
-"""Measured model-state bytes of one engine, by category, next to the paper's estimate.
+"""Measured model-state bytes of one engine, by category, next to the paper's estimate, and
+the worker's resident memory broken down around them.
 
 Counts the bytes of the tensors the engine holds (not the allocator's view), so the figures
 are exact and comparable with zeroray.memory's formulas. See [Note: stage data flow] in
 engine.py for which tensors exist at which stage.
+
+[Note: RSS breakdown]
+Given the process's phase figures (process_memory.py), ``measure`` also cuts the worker's
+peak RSS over its steps into what is known to be in it::
+
+    baseline          RSS before the model existed: Python, torch, Ray, the collective group
+    model_states      params + grads + optimizer, measured (= the estimate)
+    gathered_window   stage 3: the most unit bytes gathered at once (last step)
+    buckets           the gradient buckets' and the gather staging's pools
+    activations       bytes saved for backward at the end of forward, the step's high point
+    other             the rest: temporaries that are not saved activations (a parameter's
+                      gradient before its hook moves it into a bucket, backward's intermediate
+                      results), what was imported after the baseline (building a torch
+                      optimizer imports torch._dynamo), thread stacks, and allocator slack
+
+and apart from the step peak: ``construction_transient`` (construction's peak minus the RSS it
+left behind) and ``slack_at_rest`` (RSS after the steps minus the baseline and every live
+tensor, by a gc census: what the allocator holds that no tensor uses, plus later imports).
+The window and the activations peak at nearly the same moment (the start of backward), so
+their sum stands for the step's high point; ``other`` is what that leaves unexplained.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -27,7 +48,7 @@ def _storages(tensors) -> Dict[int, int]:
     return out
 
 
-def measure(engine) -> Dict[str, Any]:
+def measure(engine, process: Optional[Dict[str, Optional[int]]] = None) -> Dict[str, Any]:
     """Bytes of the storages the engine holds, by category; see the module docstring.
 
     params: full parameter buffers (stages 0-2: the arena; stage 3: unit buffers gathered at
@@ -36,13 +57,16 @@ def measure(engine) -> Dict[str, Any]:
     optimizer: the fp32 master (when it is not the parameter tensor itself, i.e. in mixed
         precision) and the inner optimizer's state tensors.
     Call it after a step: the optimizer allocates its state on the first one.
+    ``process``: ``ProcessMemory.report()`` of the worker the engine runs in; adds ``rss`` (the
+    breakdown of [Note: RSS breakdown]) and ``peak_rss_bytes`` (the process's lifetime peak).
     """
     zero, layout = engine.zero, engine.layout
     units = engine.units
     engine.flush()  # the stage 1-2 gathers of the last step, still in flight ([Note: deferred publish])
-    param_st = _storages([u.full for u in units] + [units.arena, engine.param_shard])
+    shard = engine.param_shard.tensors() if engine.param_shard is not None else []
+    param_st = _storages([u.full for u in units] + [units.arena] + shard)
     grad_st = {k: v for k, v in _storages([engine.grad]).items() if k not in param_st}
-    optim_st = {k: v for k, v in _storages([engine.master] + engine.optimizer.state_tensors()).items()
+    optim_st = {k: v for k, v in _storages(engine.master.tensors() + engine.optimizer.state_tensors()).items()
                 if k not in param_st and k not in grad_st}
     stats = engine.fetch_stats()
     reduce_buffers = engine.reducer.buffer_bytes()
@@ -53,7 +77,7 @@ def measure(engine) -> Dict[str, Any]:
                 "optimizer": sum(optim_st.values())}
     paper = memory.model_state_bytes(layout.numel, engine.world_size, zero.stage, zero.dtype,
                                      _optimizer_for_estimate(engine))
-    return {"stage": zero.stage, "dtype": zero.dtype, "num_workers": engine.world_size,
+    report = {"stage": zero.stage, "dtype": zero.dtype, "num_workers": engine.world_size,
             "measured": {**measured, "total": sum(measured.values())},
             "estimate": expected_model_state(engine),
             "paper": {"params": paper.params, "grads": paper.grads, "optimizer": paper.optimizer,
@@ -64,6 +88,29 @@ def measure(engine) -> Dict[str, Any]:
             "activations_peak": engine.activation_peak_bytes,
             "num_params": layout.numel, "padded_numel": layout.full_numel,
             **_cuda_stats(engine.device)}
+    if process is not None:
+        report["peak_rss_bytes"] = process["peak_rss_bytes"]
+        report["rss"] = rss_breakdown(report, process)
+    return report
+
+
+def rss_breakdown(report: Dict[str, Any], process: Dict[str, Optional[int]]) -> Dict[str, Optional[int]]:
+    """[Note: RSS breakdown] from a ``measure`` report and ``ProcessMemory.report()``; a figure
+    the platform cannot give is None, and so is anything computed from it."""
+    base, peak = process["baseline_rss"], process["step_peak_rss"]
+    parts = {"model_states": report["measured"]["total"], "gathered_window": report["gathered_params_peak"],
+             "buckets": report["bucket_buffers"], "activations": report["activations_peak"]}
+    known = None if base is None else base + sum(parts.values())
+    built, after = process["construction_peak_rss"], process["after_construction_rss"]
+    rest = process["rss"]
+    return {"baseline": base, **parts,
+            "other": None if peak is None or known is None else peak - known,
+            "step_peak": peak,
+            "construction_peak": built,
+            "construction_transient": None if built is None or after is None else built - after,
+            "rss_at_rest": rest,
+            "slack_at_rest": None if rest is None or base is None else rest - base - live_tensor_bytes(False),
+            "peak_rss": process["peak_rss_bytes"]}
 
 
 def _cuda_stats(device) -> Dict[str, Any]:
@@ -97,9 +144,11 @@ def expected_model_state(engine) -> Dict[str, int]:
       master's gradient, where the paper keeps a 16-bit gradient;
     - stage 1 reduce-scatters gradients out of the buckets as backward produces them, as stage 2
       does, so it holds the gradient *shard*, not the paper's full gradient (with
-      ``grad_accum_steps > 1`` autograd holds full local gradients between micro-batches);
-    - stages 1-2 keep a local parameter shard in the compute dtype as the all-gather source
-      (in fp32 that shard is the master, so fp32 stages 1-2 also hold 4 bytes/param/W more).
+      ``grad_accum_steps > 1`` autograd holds full local gradients between micro-batches).
+    Stages 1-2 hold no parameter shard of their own: the all-gather source, and in fp32 the
+    master, is the rank's rows of the parameter arena ([Note: local shard] in local_shard.py),
+    so their parameter term is the paper's. (Until that change they kept a separate shard in
+    the compute dtype, P·Φ/W more, which this estimate used to add.)
 
     Nothing here looks at the engine's tensors, only at its layout and configuration (except
     the state size of a custom optimizer callable, which only its allocation tells).
@@ -114,10 +163,8 @@ def expected_model_state(engine) -> Dict[str, int]:
 
     base = states(zero.stage)
     grads = states(2).grads if zero.stage == 1 else base.grads
-    elem = memory.DTYPE_BYTES[zero.dtype]
-    params = base.params + (elem * (padded // W) if zero.stage in (1, 2) else 0)
-    return {"params": params, "grads": grads, "optimizer": base.optimizer,
-            "total": params + grads + base.optimizer}
+    return {"params": base.params, "grads": grads, "optimizer": base.optimizer,
+            "total": base.params + grads + base.optimizer}
 
 
 def live_tensor_bytes(floating_only: bool = True) -> int:

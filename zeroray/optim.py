@@ -7,6 +7,9 @@ AdamW and SGD are elementwise, so updating a flat slice equals updating the para
 covers, and the optimizer state is a few contiguous tensors (M_D). Padding elements have
 zero value and zero gradient and stay zero under these optimizers. An optimizer that mixes
 elements (per-tensor norms, as in LAMB) would not match the unsharded run; see README.
+When the master is not one tensor (stages 1-2 in fp32: the rank's rows of the parameter
+arena, [Note: local shard] in local_shard.py), segments are also cut where its pieces
+meet, one unit's slice each, so every segment is a view and the update lands in place.
 
 The same class serves stage 0, where the "shard" is the whole model.
 """
@@ -14,10 +17,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from zeroray.local_shard import LocalShard
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,21 @@ class LossScaler:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
-def build_segments(spans: Sequence[Tuple[int, int, Dict[str, Any]]], total: int) -> List[Segment]:
-    """Merge consecutive local spans with equal overrides; padding joins its neighbour."""
+def build_segments(spans: Sequence[Tuple[int, int, Dict[str, Any]]], total: int,
+                   breaks: Sequence[int] = ()) -> List[Segment]:
+    """Merge consecutive local spans with equal overrides; padding joins its neighbour. No
+    segment crosses an offset in ``breaks`` (where a piece of the master starts)."""
+    edges = [0, *sorted({b for b in breaks if 0 < b < total}), total]
+    if len(edges) == 2:
+        return _merge_spans(spans, total)
+    segments: List[Segment] = []
+    for lo, hi in zip(edges, edges[1:]):
+        inside = [(a - lo, b - lo, o) for a, b, o in spans if lo <= a < hi]
+        segments += [Segment(s.start + lo, s.end + lo, s.overrides) for s in _merge_spans(inside, hi - lo)]
+    return segments
+
+
+def _merge_spans(spans: Sequence[Tuple[int, int, Dict[str, Any]]], total: int) -> List[Segment]:
     segments: List[Segment] = []
     for start, end, overrides in spans:
         key = tuple(sorted(overrides.items()))
@@ -90,9 +107,11 @@ class ShardedOptimizer:
     """An inner torch optimizer over this rank's flat fp32 master, by segments ([Note: flat
     optimizer]), with global-norm clipping and an optional LR scheduler."""
 
-    def __init__(self, spec: Any, master: torch.Tensor, grad: torch.Tensor, segments: List[Segment],
-                 max_grad_norm: Optional[float], scheduler_fn: Optional[Callable[[Any], Any]] = None) -> None:
-        self.master, self.grad, self.segments = master, grad, segments  # 1D fp32 each
+    def __init__(self, spec: Any, master: Union[torch.Tensor, LocalShard], grad: torch.Tensor,
+                 segments: List[Segment], max_grad_norm: Optional[float],
+                 scheduler_fn: Optional[Callable[[Any], Any]] = None) -> None:
+        # 1D fp32 each; a LocalShard master is viewed one segment at a time ([Note: local shard])
+        self.master, self.grad, self.segments = master, grad, segments
         self.max_grad_norm = max_grad_norm
         self.flat_params: List[torch.nn.Parameter] = []
         groups = []

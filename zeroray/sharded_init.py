@@ -103,7 +103,7 @@ class _Fate(NamedTuple):
 class _Registrations:
     """Parameters in the order they are first registered with a module (this thread only)."""
 
-    def __init__(self, on_new: Callable[[torch.nn.Parameter], None] = lambda p: None) -> None:
+    def __init__(self, on_new: Callable[[torch.nn.Parameter, int], None] = lambda p, index: None) -> None:
         self.params: List[torch.nn.Parameter] = []
         self.specs: List[Tuple[torch.Size, torch.dtype]] = []  # as registered (a later .to() changes it)
         self.seen: set = set()
@@ -116,7 +116,7 @@ class _Registrations:
         self.seen.add(id(param))
         self.params.append(param)
         self.specs.append((param.shape, param.dtype))
-        self.on_new(param)
+        self.on_new(param, len(self.params) - 1)
         return None
 
 
@@ -155,8 +155,9 @@ def _real_pass(model_fn, seed: int, layout: FlatLayout, fates: List[_Fate], rank
 
     arenas: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}  # 1D, laid out as the local shard
 
-    def on_new(param: torch.nn.Parameter) -> None:
-        index = len(registrations.params) - 1
+    # on_new must not refer to ``registrations``, which holds it: a reference cycle would keep
+    # ``arenas`` (the rank's whole shard) alive after construction until the cyclic collector ran.
+    def on_new(param: torch.nn.Parameter, index: int) -> None:
         if index >= len(fates):
             raise freer.fail("model_fn registered more parameters than on the meta device")
         fate = fates[index]
@@ -245,6 +246,7 @@ def build_sharded(model_fn: Callable[[], torch.nn.Module], seed: int, world_size
         layout, fates = _meta_pass(model_fn, layout_fn)
         model, freer = _real_pass(model_fn, seed, layout, fates, rank)
         kept = _collect(model, layout, freer, rank)
+        freer.release()
     except CannotShard as e:
         host.restore()
         log.warning("zeroray: rank %d cannot build the model sharded, so it builds it whole (which needs "

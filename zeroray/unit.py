@@ -84,7 +84,12 @@ class Units:
         self.arena: Optional[torch.Tensor] = None  # 1D, full_numel (persistent units)
         self.units: List[FlatUnit] = []
         if persistent:
-            self.arena = torch.zeros(layout.full_numel, dtype=dtype, device=device)
+            # Not zeros: its pages are touched as bind() copies each parameter in and the model's
+            # own copy of that parameter is freed, so construction never holds the model twice.
+            self.arena = torch.empty(layout.full_numel, dtype=dtype, device=device)
+            with torch.no_grad():
+                for u in layout.units:
+                    self.arena[u.full_offset + u.numel:u.full_offset + u.padded].zero_()  # padding
             for u in layout.units:
                 self.units.append(FlatUnit(u, self.arena[u.full_offset:u.full_offset + u.padded], True,
                                            UnitState.GATHERED))
@@ -112,6 +117,7 @@ class Units:
     def bind(self, params: Dict[str, torch.nn.Parameter], copy_values: bool = True) -> None:
         """Make every trainable parameter a view into its unit's buffer (values copied in, unless
         the model was built sharded and holds no values; the shard has them)."""
+        assert copy_values or not self.persistent, "the persistent arena is filled by bind"
         with torch.no_grad():
             for unit in self.units:
                 if not self.persistent:

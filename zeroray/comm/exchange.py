@@ -8,7 +8,10 @@ benchmarks/collectives.py``). So on gloo both are a direct exchange:
 * all-gather: every rank sends its shard to each peer and receives each peer's shard
   straight into that peer's row of the output;
 * reduce-scatter: every rank sends row ``p`` of its input to rank ``p`` and receives the
-  peers' copies of its own row into a scratch buffer, and sums them when they arrived.
+  peers' copies of its own row, the first straight into the output and the others into a
+  scratch buffer of W-2 rows (none for two workers), and sums them when they arrived (in the
+  order mine + first + the rest: addition is commutative, so the sum is the same bits as
+  adding the first to mine).
 
 Each rank sends (W-1)/W of the payload, as the ring does (so [Note: bytes counted] holds).
 All sends and receives are posted at once and never block, so there is no ordering among
@@ -148,7 +151,7 @@ class PeerExchange:
         return self._submit(Exchange(works, None, self.counter, started), channel)
 
     def scratch_numel(self, out_numel: int) -> int:
-        return (self.world_size - 1) * out_numel
+        return max(self.world_size - 2, 0) * out_numel
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, scratch: Optional[torch.Tensor],
                        channel: int = 1) -> Exchange:
@@ -158,13 +161,14 @@ class PeerExchange:
         rows = inp.view(self.world_size, n)
         if scratch is None:  # callers on the hot path pass a reused buffer
             scratch = torch.empty(self.scratch_numel(n), dtype=inp.dtype, device=inp.device)
-        received = scratch[:self.scratch_numel(n)].view(self.world_size - 1, n)
+        # The first peer's row lands in ``out`` itself: W-2 rows of scratch, not W-1.
+        received = [out] + [scratch[i * n:(i + 1) * n] for i in range(len(self.peers) - 1)]
         works = self._post([(rows[p], p) for p in self.peers], [(received[i], p) for i, p in enumerate(self.peers)],
                            tag)
         mine = rows[self.rank]
 
         def finish() -> None:
-            torch.add(mine, received[0], out=out)
+            out.add_(mine)  # = mine + first peer's row, bit for bit (commutative)
             for i in range(1, len(self.peers)):
                 out.add_(received[i])
 

@@ -19,6 +19,7 @@ import torch
 
 from zeroray.arena import FlatLayout
 from zeroray.comm.group import Channel, Group, Handle
+from zeroray.local_shard import LocalShard
 
 
 class GatherHandle:
@@ -52,8 +53,8 @@ class GatherHandle:
 class UnitGatherer:
     MAX_STAGING = 2  # coalesced gathers in flight at once; more wait for the oldest to finish
 
-    def __init__(self, layout: FlatLayout, group: Group, shard: torch.Tensor, bucket_bytes: int) -> None:
-        self.layout, self.group, self.shard = layout, group, shard  # shard: 1D, compute dtype
+    def __init__(self, layout: FlatLayout, group: Group, shard: LocalShard, bucket_bytes: int) -> None:
+        self.layout, self.group, self.shard = layout, group, shard  # compute dtype
         self.bucket_bytes = bucket_bytes
         self._free: List[torch.Tensor] = []
         self._inflight: Deque[GatherHandle] = deque()  # coalesced gathers holding a staging buffer
@@ -106,8 +107,8 @@ class UnitGatherer:
         us = [layout.units[units[i]] for i in order]
         cols = sum(u.shard_numel for u in us)
         contiguous = all(us[i + 1].index == us[i].index + 1 for i in range(len(us) - 1))
-        if contiguous:
-            inp = self.shard[us[0].shard_offset:us[0].shard_offset + cols]
+        if contiguous:  # one view, or one copy where the shard is the arena's rows ([Note: local shard])
+            inp = self.shard.read(us[0].shard_offset, us[0].shard_offset + cols)
         else:
             inp = torch.cat([self.shard[u.shard_offset:u.shard_offset + u.shard_numel] for u in us])
         while self._inflight and self._inflight[0].done:
@@ -145,6 +146,14 @@ class UnitGatherer:
         buf = torch.empty(self._staging_numel, dtype=self.shard.dtype, device=self.shard.device)
         self._pool_bytes += buf.numel() * buf.element_size()
         return buf
+
+    def release_idle(self) -> None:
+        """Drop the staging buffers once none is in use. Stages 1-2 gather only to publish an
+        update; between the last wait for it and the next publish, the buffers' memory is
+        better back in the heap, where the step's activations take it from."""
+        if self.pool_size and len(self._free) == self.pool_size:
+            self._free.clear()
+            self.pool_size = self._pool_bytes = 0
 
     def buffer_bytes(self) -> int:
         """Bytes of the staging buffers allocated and not dropped (in use or free)."""

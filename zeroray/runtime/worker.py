@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import resource
 import socket
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import ray
 import torch
 
+from zeroray.process_memory import ProcessMemory, current_rss_bytes
 from zeroray.runtime.batch_transport import unpack
 from zeroray.runtime.sequencer import Sequencer, Ticket
 
@@ -28,18 +28,6 @@ from zeroray.runtime.sequencer import Sequencer, Ticket
 # behind it, a save or a report behind that), the polls never wait behind them.
 ENGINE_THREADS = 4
 CONCURRENCY_GROUPS = {"control": 1}
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _current_rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return _peak_rss_bytes()
 
 
 def engine_call(method: Callable) -> Callable:
@@ -69,6 +57,7 @@ class Worker:
         self._sequencer = Sequencer()
         self._arrived = threading.local()
         self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/data.py)
+        self.memory = ProcessMemory()  # before the model: the baseline; engine work on one thread
 
     # --- polls: answered at any time, never wait for the engine -------------------------------
 
@@ -111,12 +100,12 @@ class Worker:
         self.group = make_torch_group(backend, self.rank, self.world_size, master_addr, master_port,
                                       timeout_s=zero.collective_timeout_s, store_prefix=spec.get("group_name", "zr"))
         t0 = time.perf_counter()
-        self.engine = Engine(spec["model_fn"], spec["loss_fn"], spec["optimizer"], zero, self.group,
-                             seed=spec["seed"], device=device, param_groups=spec.get("param_groups"),
-                             scheduler=spec.get("scheduler"))
+        self.engine = self.memory.build(Engine, spec["model_fn"], spec["loss_fn"], spec["optimizer"], zero,
+                                        self.group, seed=spec["seed"], device=device,
+                                        param_groups=spec.get("param_groups"), scheduler=spec.get("scheduler"))
         layout, rank = self.engine.state_layout()
         return {"layout": self.engine.layout.to_dict(), "build_s": time.perf_counter() - t0,
-                "peak_rss_bytes": _peak_rss_bytes(),
+                "peak_rss_bytes": self.memory.report()["peak_rss_bytes"],
                 # keep_vars: stage 3's trainable parameters hold no values between steps
                 "state_dict_keys": list(self.engine.model.state_dict(keep_vars=True).keys()),
                 "state_layout": (layout.to_dict(), rank)}
@@ -130,7 +119,7 @@ class Worker:
 
     def _step(self, batch: Any) -> Dict[str, Any]:
         t_engine = time.time()
-        stats = self.engine.train_step(batch)
+        stats = self.memory.step(self.engine.train_step, batch)
         t_engine_end = time.time()
         return {"loss": stats.loss, "grad_norm": stats.grad_norm, "step": stats.step, "skipped": stats.skipped,
                 "loss_scale": stats.loss_scale, "time_s": stats.time_s,
@@ -181,10 +170,9 @@ class Worker:
     def memory_report(self) -> Dict[str, Any]:
         from zeroray.memory_report import measure
 
-        report = measure(self.engine)
+        report = measure(self.engine, self.memory.report())
         report["rank"] = self.rank
-        report["peak_rss_bytes"] = _peak_rss_bytes()
-        report["rss_bytes"] = _current_rss_bytes()
+        report["rss_bytes"] = current_rss_bytes()
         return report
 
     # --- state -----------------------------------------------------------------------------

@@ -1,0 +1,147 @@
+"""Issue 17's cuts, in process: the stage 1-2 local shard in the arena's rows, segments cut at
+its pieces, the sharded build's arena adopted as the stage-3 master and freed without the cyclic
+collector, and the worker's compute thread and phase peaks (process_memory.py)."""
+import functools
+import gc
+import threading
+
+import pytest
+import torch
+
+import zeroray as zr
+from examples import gpt
+from zeroray.arena import FlatLayout
+from zeroray.comm.group import SoloGroup
+from zeroray.engine import Engine, _adopt_kept_arena
+from zeroray.local_shard import LocalShard
+from zeroray.optim import build_segments
+from zeroray.process_memory import ProcessMemory
+from zeroray.sharded_init import build_sharded
+
+CFG = gpt.GPTConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16)
+
+
+def _layout(world):
+    with torch.device("meta"):
+        return FlatLayout.from_module(gpt.GPT(CFG), world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_arena_rows_are_the_shard_in_shard_coordinates(world):
+    layout = _layout(world)
+    arena = torch.arange(layout.full_numel, dtype=torch.float32)
+    for rank in range(world):
+        rows = LocalShard.arena_rows(layout, arena, rank)
+        assert rows.numel() == layout.shard_numel and len(rows.breaks()) == len(layout.units) - 1
+        expected = torch.cat([arena[u.full_offset:u.full_offset + u.padded].view(world, -1)[rank]
+                              for u in layout.units])
+        assert torch.equal(rows.clone(), expected)
+        for name in layout.param_names:  # every parameter's piece is one view into the arena
+            piece, lo, hi = layout.param_shard_view(rows, name, rank)
+            assert piece.numel() == hi - lo
+            if hi > lo:
+                assert piece.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+        assert torch.equal(rows.read(0, layout.shard_numel), expected)  # across pieces: a copy
+        with pytest.raises(IndexError, match="span two pieces"):
+            rows[0:layout.shard_numel]
+        rows.copy_(torch.zeros(layout.shard_numel))  # writes land in the arena
+        assert all(not t.any() for t in rows.tensors())
+
+
+def test_segments_never_cross_a_break_and_cover_the_shard():
+    spans = [(0, 3, {}), (3, 5, {"weight_decay": 0.0}), (6, 9, {}), (12, 14, {})]
+    whole = build_segments(spans, 16)
+    assert [(s.start, s.end) for s in whole] == [(0, 3), (3, 6), (6, 16)]
+    cut = build_segments(spans, 16, breaks=[6, 10, 12])
+    assert [(s.start, s.end) for s in cut] == [(0, 3), (3, 6), (6, 10), (10, 12), (12, 16)]
+    assert dict(cut[1].overrides) == {"weight_decay": 0.0} and cut[3].overrides == ()  # all padding
+
+
+def test_the_sharded_build_arena_is_adopted_as_the_master():
+    world, rank = 2, 1
+    built = build_sharded(functools.partial(gpt.GPT, CFG), 0, world, rank)
+    assert built is not None
+    _, layout, kept = built
+    shard = _adopt_kept_arena(layout, kept, rank, torch.device("cpu"))
+    assert shard is not None and shard.numel() == layout.shard_numel
+    for name, (lo, hi, values) in kept.items():
+        piece, lo2, hi2 = layout.param_shard_view(shard, name, rank)
+        assert (lo, hi) == (lo2, hi2)
+        if hi > lo:
+            assert piece.data_ptr() == values.data_ptr()  # in place: nothing to copy
+    for unit in layout.units:
+        lo, hi = unit.rank_range(rank)
+        assert not shard[unit.shard_offset + hi - lo:unit.shard_offset + unit.shard_numel].any()  # padding
+
+
+def test_a_sharded_build_leaves_no_cyclic_garbage():
+    model_fn = functools.partial(gpt.GPT, CFG)
+    build_sharded(model_fn, 0, 2, 0)  # first build: torch's lazy imports may leave their own garbage
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        build_sharded(model_fn, 0, 2, 0)
+        gc.collect()
+        tensors = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not tensors, f"{len(tensors)} tensors freed only by the cyclic collector"
+
+
+@pytest.mark.parametrize("stage,dtype", [(1, "fp32"), (2, "fp32"), (2, "bf16"), (3, "fp32"), (0, "fp32")])
+def test_state_round_trip_through_the_local_shard(stage, dtype):
+    def engine():
+        return Engine(functools.partial(gpt.GPT, CFG), gpt.gpt_loss, zr.AdamW(lr=1e-2),
+                      zr.ZeroConfig(stage=stage, dtype=dtype), SoloGroup(), seed=1)
+
+    batches = list(gpt.CharBatches(4, CFG.seq_len, 4, seed=3))
+    a = engine()
+    if stage in (1, 2) and dtype == "fp32":  # the master is the arena's rows: no tensor of its own
+        assert a.master is a.param_shard and a.master.breaks()
+        assert a.master.tensors()[0].untyped_storage().data_ptr() == a.units.arena.untyped_storage().data_ptr()
+    for batch in batches[:2]:
+        a.train_step(batch)
+    tensors, scalars = a.export_state()
+    b = engine()
+    b.import_state(tensors, scalars)
+    for batch in batches[2:]:
+        la, lb = a.train_step(batch).loss, b.train_step(batch).loss
+        assert la == lb
+    assert torch.equal(a.master_shard(), b.master_shard())
+    for name, p in a.model.named_parameters():  # the gathered parameters follow the master
+        if stage < 3:
+            assert torch.equal(p.detach(), dict(b.model.named_parameters())[name].detach())
+    a.close()
+    b.close()
+
+
+def test_process_memory_runs_engine_work_on_one_thread():
+    memory = ProcessMemory()
+    seen = set()
+
+    def work(x):
+        seen.add(threading.get_ident())
+        return x + 1
+
+    assert memory.build(work, 1) == 2
+    callers = [threading.Thread(target=lambda: memory.step(work, 0)) for _ in range(3)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert len(seen) == 1 and threading.get_ident() not in seen
+
+    def fails():
+        raise ValueError("step failed")
+
+    with pytest.raises(ValueError, match="step failed"):  # the error's own type reaches the caller
+        memory.step(fails)
+    report = memory.report()
+    # The kernel's RSS counters are per-CPU approximations: compare within a page or two of slack.
+    assert all(report[k] > 0 for k in ("baseline_rss", "construction_peak_rss", "after_construction_rss",
+                                        "step_peak_rss", "rss", "peak_rss_bytes"))
+    assert report["peak_rss_bytes"] >= report["construction_peak_rss"]
+    memory.close()

@@ -1,0 +1,155 @@
+"""A worker process's resident memory: its peaks by phase, and the allocator hygiene that
+keeps them at what the tensors need.
+
+[Note: process memory]
+On CPU a worker's memory is its resident set (RSS), and what the model states need is only
+part of it; ``memory_report`` breaks the rest down ([Note: RSS breakdown] in memory_report.py).
+Three things here keep the part that is not tensors small; benchmarks/README.md has what
+each one measured (``benchmarks/memory_rss.py``).
+
+- One compute thread. glibc gives each thread that allocates a malloc arena of its own and
+  keeps what is freed there for that arena's next allocations. Ray runs a threaded actor's
+  calls on a pool of threads, and successive steps land on different ones, so every arena
+  grows to a whole step's footprint (activations, backward temporaries): two steps' worth
+  resident at once. ``build`` and ``step`` run the engine on one thread of its own instead,
+  so one arena serves every step. (Setting ``MALLOC_ARENA_MAX`` does the same, but only in
+  the environment the process starts with; ``mallopt`` is too late once the pool's threads
+  have their arenas.)
+- A trim after construction: the construction transient freed to the heap (the model built
+  whole before it is bound to the arena, the sharded build's scratch), and the cyclic garbage
+  of a first-time import, is handed back to the OS with ``gc.collect()`` and
+  ``malloc_trim(0)``. Not after every step: the next step would fault the same pages in again.
+- Peaks by phase. The kernel's peak RSS (VmHWM, which ``getrusage`` reports) is read at the
+  end of construction and then reset (``/proc/self/clear_refs``), so the steps' own peak is
+  known apart from construction's; ``report`` gives both and the lifetime peak.
+
+Linux and glibc only; elsewhere each part does nothing and the phase peaks are None.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import queue
+import resource
+import threading
+from typing import Any, Callable, Dict, Optional
+
+
+def current_rss_bytes() -> Optional[int]:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
+def peak_rss_bytes() -> int:
+    """The peak RSS since the process started or since the last ``reset_peak`` (Linux: KiB units)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak() -> bool:
+    """Restart the kernel's peak RSS count from the current RSS; False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def trim_heap() -> None:
+    """Collect cyclic garbage, then hand the heap's free pages back to the OS (glibc only)."""
+    gc.collect()
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)
+
+
+class _ComputeThread:
+    """One daemon thread that runs the calls given to it, one at a time, and returns their
+    results (or raises their exceptions) in the caller's thread."""
+
+    def __init__(self) -> None:
+        self._calls: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="zeroray-compute", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            fn, args, kwargs, done, box = call
+            del call
+            try:
+                box.append((True, fn(*args, **kwargs)))
+            except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+                box.append((False, error))
+            finally:
+                del fn, args, kwargs  # no reference to the call's arguments outlives it
+                done.set()
+
+    def run(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is self._thread:
+            return fn(*args, **kwargs)
+        done, box = threading.Event(), []
+        self._calls.put((fn, args, kwargs, done, box))
+        done.wait()
+        ok, value = box.pop()
+        if ok:
+            return value
+        raise value
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+
+class ProcessMemory:
+    """The worker's side of [Note: process memory]: create it before the model exists (its RSS
+    then is the process baseline), build the engine with ``build`` and run steps with ``step``."""
+
+    def __init__(self) -> None:
+        self.baseline_rss = current_rss_bytes()
+        self.construction_peak_rss: Optional[int] = None
+        self.after_construction_rss: Optional[int] = None
+        self._phase_peaks = False  # the kernel's peak counts the steps only (reset after construction)
+        self._compute: Optional[_ComputeThread] = None
+
+    def _thread(self) -> _ComputeThread:
+        if self._compute is None:
+            self._compute = _ComputeThread()
+        return self._compute
+
+    def build(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run construction ``fn(*args, **kwargs)`` on the compute thread; record its peak, trim
+        what it freed, and start counting the steps' peak."""
+        built = self._thread().run(fn, *args, **kwargs)
+        self.construction_peak_rss = max(peak_rss_bytes(), self.construction_peak_rss or 0)
+        trim_heap()
+        self.after_construction_rss = current_rss_bytes()
+        self._phase_peaks = reset_peak()
+        return built
+
+    def step(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run one step ``fn(*args, **kwargs)`` on the compute thread."""
+        return self._thread().run(fn, *args, **kwargs)
+
+    def report(self) -> Dict[str, Optional[int]]:
+        """Bytes: ``baseline_rss`` (before the model), ``construction_peak_rss``,
+        ``after_construction_rss``, ``step_peak_rss`` (since construction; None when the kernel's
+        peak could not be reset), ``rss`` (now) and ``peak_rss_bytes`` (the process's lifetime)."""
+        now_peak = peak_rss_bytes()
+        return {"baseline_rss": self.baseline_rss, "construction_peak_rss": self.construction_peak_rss,
+                "after_construction_rss": self.after_construction_rss,
+                "step_peak_rss": now_peak if self._phase_peaks else None, "rss": current_rss_bytes(),
+                "peak_rss_bytes": max(now_peak, self.construction_peak_rss or 0)}
+
+    def close(self) -> None:
+        if self._compute is not None:
+            self._compute.stop()
+            self._compute = None
