@@ -136,6 +136,7 @@ class Worker:
         report = self.group.counter.as_dict()
         report["rank"] = self.rank
         report.update(self.engine.fetch_stats())
+        report.update(self.engine.bucket_stats())
         return report
 
     def memory_report(self) -> Dict[str, Any]:
