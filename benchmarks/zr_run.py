@@ -33,7 +33,10 @@ class ZeroraySession:
         if self._ray_was_up or os.environ.get("RAY_ADDRESS"):
             _pickle_examples_by_value()  # a remote cluster's workers have no examples/ on disk
 
-    def run(self, stage: int, spec: BenchSpec, *, prefetch: bool) -> dict:
+    def run(self, stage: int, spec: BenchSpec, *, prefetch: bool, zero: Optional[dict] = None,
+            comm_every_step: bool = False) -> dict:
+        """``zero``: further ZeroConfig fields (the bucket rows). ``comm_every_step``: read
+        comm_report() after every step (outside the timed part), not only after the last."""
         import bench_models
 
         zr = self.zr
@@ -41,19 +44,21 @@ class ZeroraySession:
             model_fn(spec),
             bench_models.lm_loss,
             optimizer=zr.AdamW(lr=spec.lr, weight_decay=spec.weight_decay),
-            zero=zr.ZeroConfig(stage=stage, prefetch=prefetch),
+            zero=zr.ZeroConfig(stage=stage, prefetch=prefetch, **(zero or {})),
             scaling=zr.ScalingConfig(num_workers=spec.num_workers, threads_per_worker=spec.threads),
             seed=spec.seed,
         )
         try:
-            clock, losses = StepClock(spec.warmup_steps), []
+            clock, losses, comm_steps = StepClock(spec.warmup_steps), [], []
             for batch in global_batches(spec):
                 clock.start()
                 result = trainer.step(batch)
                 loss = float(result.loss)
                 clock.stop()
                 losses.append(loss)
-            comm = _per_worker(_call(trainer, "comm_report"))
+                if comm_every_step:
+                    comm_steps.append(_per_worker(_call(trainer, "comm_report")))
+            comm = comm_steps[-1] if comm_steps else _per_worker(_call(trainer, "comm_report"))
             memory = _per_worker(_call(trainer, "memory_report"))
         finally:
             trainer.shutdown()
@@ -61,6 +66,7 @@ class ZeroraySession:
             "step_s": clock.times,
             "losses": losses,
             "comm": comm,
+            "comm_steps": comm_steps or None,
             "peak_rss_bytes": [_num(m, "peak_rss_bytes") for m in memory] if memory else None,
             "memory_report": memory,
         }

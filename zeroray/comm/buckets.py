@@ -13,8 +13,11 @@ Gradients arrive one parameter at a time (a post-accumulate-grad hook), are copi
 their bucket's buffer and dropped. A bucket whose parameters have all arrived is launched
 asynchronously, but only in plan order (see [Note: collective order] in group.py), so the
 reduction of one bucket overlaps the rest of backward. Buffers come from a small pool that
-is allocated once and reused every step; a bucket waits for a free buffer rather than
-allocating one, unless every buffer is still being filled (arrival order far from the plan).
+is allocated once and reused every step; with ``MAX_INFLIGHT`` reductions in flight, a bucket
+waits for the oldest to finish rather than allocating a buffer (unless every buffer is still
+being filled: arrival order far from the plan). Two in flight, not one: with small buckets
+(the flush timeout) a bucket's first gradient would otherwise wait for the reduction of the
+bucket just launched, in the middle of backward.
 
 In a negotiated stage-3 step (negotiate.py) over a backend without independent channels
 (NCCL), ``hold=True`` keeps every launch for ``finish``, after the agreement rounds, so the
@@ -60,6 +63,8 @@ class _Copy:
 
 class GradBuckets:
     """Reduce gradients into ``target`` (an fp32 1D tensor: grad shard, or full grads)."""
+
+    MAX_INFLIGHT = 2  # reductions in flight before a new bucket waits for the oldest (module docstring)
 
     def __init__(self, layout: FlatLayout, group: Group, target: torch.Tensor, *,
                  mode: str, bucket_bytes: int, dtype: torch.dtype, unit_order: Sequence[int]) -> None:
@@ -148,7 +153,7 @@ class GradBuckets:
     def _acquire(self, bucket: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if bucket in self._bufs:
             return self._bufs[bucket]
-        if not self._free and self._inflight:
+        if not self._free and len(self._inflight) >= self.MAX_INFLIGHT:
             self._complete_oldest()
         if self._free:
             inp, out = self._free.pop()
