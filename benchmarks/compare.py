@@ -2,7 +2,7 @@
 
     python benchmarks/compare.py [--large] [--model gpt|mha|hf-gpt2] [--steps N] [--rounds R] [--workers 2]
         [--only floor,ddp,fsdp2,zr0,zr1,zr2,zr3,ds1,ds2,ds3] [--json out.json] [--zr-prefetch on|off]
-        [--zr-buckets fixed,timeout,auto] [--zr-bucket-timeout-ms T]
+        [--zr-buckets fixed,timeout,auto] [--zr-bucket-timeout-ms T] [--zr-bucket-timeout-ms-auto T]
 
 Every row trains the same model (``--model``: examples/gpt.py's GPT, or one zeroray did not
 write, see bench_models.py) from the same initial weights on the same
@@ -18,8 +18,8 @@ the targets are stated in (zr3/fsdp2, zr1/ddp, zr2/ddp) are printed per round as
 
 ``--zr-buckets`` runs each zeroray row in up to three gradient-bucket settings, one after
 another: ``fixed`` (the row itself, e.g. zr3: 16 MiB buckets launched when full), ``timeout``
-(zr3-timeout: the same with ``bucket_timeout_ms``) and ``auto`` (zr3-auto: ``bucket_bytes="auto"``
-with that timeout). With it, every zeroray row reads comm_report() after each step, and
+(zr3-timeout: the same with ``bucket_timeout_ms``) and ``auto`` (zr3-auto: ``bucket_bytes="auto"``,
+by default with its own timeout). With it, every zeroray row reads comm_report() after each step, and
 the table's note gives the median exposed communication over the timed steps and the
 buckets of the last step; the size "auto" settled on, and after which step, follow the table.
 """
@@ -42,6 +42,7 @@ from common import ROOT, BenchSpec, add_import_paths, median  # noqa: E402
 
 ALL_ROWS = ("floor", "ddp", "fsdp2", "zr0", "zr1", "zr2", "zr3", "ds1", "ds2", "ds3")
 BUCKET_SETTINGS = ("fixed", "timeout", "auto")
+DEFAULT_TIMEOUT_MS = 50.0
 # Multi-worker rows train on the same global batches and must report the same losses.
 LOSS_RTOL = 1e-4
 MB = 1e6
@@ -67,8 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zr-buckets", default="fixed",
                    help="comma-separated bucket settings for each zeroray row: fixed (zrN), timeout (zrN-timeout), "
                         "auto (zrN-auto); default fixed")
-    p.add_argument("--zr-bucket-timeout-ms", type=float, default=None,
-                   help="bucket_timeout_ms of the timeout and auto rows (default: zeroray's default for 'auto')")
+    p.add_argument("--zr-bucket-timeout-ms", type=float, default=DEFAULT_TIMEOUT_MS,
+                   help=f"bucket_timeout_ms of the timeout rows (default {DEFAULT_TIMEOUT_MS:g})")
+    p.add_argument("--zr-bucket-timeout-ms-auto", type=float, default=None,
+                   help="bucket_timeout_ms of the auto rows (default None: derived from the measured backward)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a torch/DeepSpeed row is killed")
     # Overrides for quick checks; the defaults are the benchmark.
     p.add_argument("--d-model", type=int, help=argparse.SUPPRESS)
@@ -143,14 +146,11 @@ def run_peer(row: str, spec: BenchSpec, args) -> dict:
 def bucket_config(row: str, args) -> dict:
     """ZeroConfig fields of a zeroray row's bucket setting (zr3: none, zr3-timeout, zr3-auto)."""
     setting = row.partition("-")[2]
-    if not setting:
-        return {}
-    timeout = args.zr_bucket_timeout_ms
-    if timeout is None:
-        from zeroray.comm.bucket_tuner import AUTO_TIMEOUT_MS
-
-        timeout = AUTO_TIMEOUT_MS
-    return {"bucket_timeout_ms": timeout, **({"bucket_bytes": "auto"} if setting == "auto" else {})}
+    if setting == "timeout":
+        return {"bucket_timeout_ms": args.zr_bucket_timeout_ms}
+    if setting == "auto":  # without --zr-bucket-timeout-ms: zeroray's own (derived) timeout
+        return {"bucket_bytes": "auto", "bucket_timeout_ms": args.zr_bucket_timeout_ms_auto}
+    return {}
 
 
 def run_all(spec: BenchSpec, args) -> dict:
@@ -287,7 +287,8 @@ def derive(records: dict, spec: BenchSpec) -> None:
         if "buckets_full" in last:
             extras.append(f"buckets full/timeout/end={last['buckets_full']}/{last['buckets_timeout']}/"
                           f"{last['buckets_end']} wait={last['bucket_first_wait_ms']:.3g}ms "
-                          f"size={last['bucket_bytes'] / 2**20:g}MiB")
+                          f"size={last['bucket_bytes'] / 2**20:g}MiB"
+                          + (f" T={last['bucket_timeout_ms']:.3g}ms" if last.get("bucket_timeout_ms") else ""))
         for report in (comm, rec.get("memory_report") or []):
             extras += [r["error"] for r in report if isinstance(r, dict) and "error" in r][:1]
         if extras:
@@ -444,6 +445,7 @@ def main(argv=None) -> int:
         "zr_prefetch": args.zr_prefetch,
         "zr_buckets": args.zr_buckets,
         "zr_bucket_timeout_ms": args.zr_bucket_timeout_ms,
+        "zr_bucket_timeout_ms_auto": args.zr_bucket_timeout_ms_auto,
         "environment": env,
         "rows": records,
         "rounds": args.rounds,

@@ -46,7 +46,7 @@ class ZeroConfig:
         full and at the end of backward). A bucket is also launched when this long has passed
         since its first gradient arrived, as planned from the gradients' measured arrival in
         earlier steps, so that every worker cuts the same buckets. With bucket_bytes="auto",
-        None means a default timeout (see benchmarks/README.md).
+        None means an eighth of the measured backward.
     prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use. About
         one transformer block of a mid-size model: a window much larger than that gathers far
         ahead of use and holds the memory, one smaller than the largest unit leaves fetches on

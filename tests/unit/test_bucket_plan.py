@@ -172,3 +172,16 @@ def test_a_missing_gradient_never_holds_the_plan():
     assert target.sum() == layout.numel - unit.numel
     assert reducer.last_timeline.done[1] == reducer.last_timeline.end
     assert reducer.take_stats() == {"full": 0, "timeout": 0, "end": 2, "first_wait_ms": pytest.approx(0, abs=1e3)}
+
+
+def test_auto_without_a_timeout_takes_an_eighth_of_the_backward():
+    order, columns = [1, 0], {0: 10, 1: 10}
+    tuner = BucketTuner(order, columns, 4, capacity_bytes=16 * 2**20, timeout_ms=None, auto=True)
+    assert tuner.timeout_ms is None
+    slow = Timeline({1: 0, 0: 300 * MS}, {1: 0, 0: 300 * MS}, 320 * MS)  # a gap of 300 ms in a 320 ms backward
+    tuner.observe(1, slow)
+    assert tuner.observe(2, slow).cuts == {1} and tuner.timeout_ms == 40.0
+    fast = Timeline({1: 0, 0: 3 * MS}, {1: 0, 0: 3 * MS}, 4 * MS)  # the same shape, 80 times faster
+    other = BucketTuner(order, columns, 4, capacity_bytes=16 * 2**20, timeout_ms=None, auto=True)
+    other.observe(1, fast)
+    assert other.observe(2, fast).cuts == {1} and other.timeout_ms == 0.5

@@ -51,7 +51,12 @@ shrink them"); one smaller than a burst cuts it into full buckets that could hav
 one message: it fragments. So the size moves to the largest burst, rounded up to a power of
 two, within [``AUTO_MIN_BYTES``, ``AUTO_MAX_BYTES``]: up at once (a burst is being cut), down
 only when the largest burst fits in ``SHRINK_MARGIN`` of half the size (so a burst near a
-power of two does not flip the size every step). The gathers' coalescing bound (gather.py)
+power of two does not flip the size every step). Without a given timeout, "auto" takes an
+eighth (``AUTO_BUCKETS_PER_BACKWARD`` in bucket_tuner.py) of the measured backward, first
+gradient to ``finish``, as T: how long a gradient may usefully wait scales with the hardware
+(a CPU backward lasts hundreds of milliseconds, a GPU one a few), and so does the number of
+collectives worth issuing per backward, which this keeps near eight plus the unit boundaries
+slower than T. The gathers' coalescing bound (gather.py)
 stays at the configured default: gathers are issued by the prefetch schedule, not by
 gradient arrival, so the timeline says nothing about them, and stage 3 builds its schedule
 once from the verified trace with that bound ([Note: fetch trace] in trace.py).

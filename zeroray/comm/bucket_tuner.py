@@ -15,9 +15,9 @@ from zeroray.comm.bucket_plan import Timeline, auto_capacity, simulate
 
 log = logging.getLogger("zeroray")
 
-# Where "auto" starts measuring when no timeout is given: a finished gradient may wait this
-# long for more to join it. Chosen by benchmarks/compare.py --zr-buckets (benchmarks/README.md).
-AUTO_TIMEOUT_MS = 5.0
+# "auto" without a given timeout: the timeout is this fraction of the measured backward
+# ([Note: bucket sizing] in bucket_plan.py; the choice is measured in benchmarks/README.md).
+AUTO_BUCKETS_PER_BACKWARD = 8
 
 
 @dataclass(frozen=True)
@@ -31,19 +31,24 @@ class BucketTuner:
 
     ``order``/``columns``/``column_bytes`` describe the reducer's units (plan order, columns
     per unit, bytes per column). ``timeout_ms``: the flush timeout (None with ``auto``: the
-    default above)."""
+    measured backward over ``AUTO_BUCKETS_PER_BACKWARD``)."""
 
     def __init__(self, order: Sequence[int], columns: Dict[int, int], column_bytes: int, *,
                  capacity_bytes: int, timeout_ms: Optional[float], auto: bool) -> None:
         self.order, self.columns, self.column_bytes = list(order), dict(columns), column_bytes
         self.auto = auto
-        self.timeout_ms = timeout_ms if timeout_ms is not None else AUTO_TIMEOUT_MS
-        self.timeout_us = int(round(self.timeout_ms * 1000))
+        self.derived_timeout = timeout_ms is None
+        self.timeout_us = int(round(timeout_ms * 1000)) if timeout_ms is not None else 0
         self.plan = Plan(capacity_bytes, frozenset())
         self.smoothed: Optional[Timeline] = None
         self.changes: List[Tuple[int, int, int]] = []  # (step, old bytes, new bytes)
         self.steps_seen = 0
         self.steps_learned = 0
+
+    @property
+    def timeout_ms(self) -> Optional[float]:
+        """The flush timeout in force (None: derived, and nothing measured yet)."""
+        return self.timeout_us / 1000 if self.timeout_us else None
 
     def vector_numel(self) -> int:
         """Numbers one rank adds to the status all-reduce: first and last arrival per unit, end."""
@@ -68,6 +73,8 @@ class BucketTuner:
             return None
         self.steps_learned += 1
         self.smoothed = timeline if self.smoothed is None else _average(self.smoothed, timeline)
+        if self.derived_timeout:
+            self.timeout_us = max(self.smoothed.end // AUTO_BUCKETS_PER_BACKWARD, 1)
         capacity = self.plan.capacity_bytes
         if self.auto:
             capacity = auto_capacity(self.order, self.columns, self.smoothed, self.timeout_us, capacity,
