@@ -3,6 +3,7 @@
     python benchmarks/compare.py [--large] [--model gpt|mha|hf-gpt2] [--steps N] [--rounds R] [--workers 2]
         [--only floor,ddp,fsdp2,zr0,zr1,zr2,zr3,ds1,ds2,ds3] [--json out.json] [--zr-prefetch on|off]
         [--zr-buckets fixed,timeout,auto] [--zr-bucket-timeout-ms T] [--zr-bucket-timeout-ms-auto T]
+        [--zr-interleave]
 
 Every row trains the same model (``--model``: examples/gpt.py's GPT, or one zeroray did not
 write, see bench_models.py) from the same initial weights on the same
@@ -22,6 +23,8 @@ another: ``fixed`` (the row itself, e.g. zr3: 16 MiB buckets launched when full)
 by default with its own timeout). With it, every zeroray row reads comm_report() after each step, and
 the table's note gives the median exposed communication over the timed steps and the
 buckets of the last step; the size "auto" settled on, and after which step, follow the table.
+``--zr-interleave`` builds every zeroray row's trainer at once and steps them in turn, so
+that rows compared with each other see the same load (the rows are otherwise minutes apart).
 """
 from __future__ import annotations
 
@@ -72,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"bucket_timeout_ms of the timeout rows (default {DEFAULT_TIMEOUT_MS:g})")
     p.add_argument("--zr-bucket-timeout-ms-auto", type=float, default=None,
                    help="bucket_timeout_ms of the auto rows (default None: derived from the measured backward)")
+    p.add_argument("--zr-interleave", action="store_true",
+                   help="build every zeroray row's trainer at once and step them in turn (row A's step 1, row B's "
+                        "step 1, ...), so the machine's drift slows them alike")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a torch/DeepSpeed row is killed")
     # Overrides for quick checks; the defaults are the benchmark.
     p.add_argument("--d-model", type=int, help=argparse.SUPPRESS)
@@ -179,29 +185,35 @@ def run_all(spec: BenchSpec, args) -> dict:
             if row in zr_rows and session_error:
                 records[row] = {"status": "failed", "note": session_error}
                 continue
-            log(f"[{row}] running ...")
+            if row in records:
+                continue  # run already, interleaved with the other zeroray rows
+            together = zr_rows if row in zr_rows and args.zr_interleave else [row]
+            log(f"[{','.join(together)}] running ...")
             load_before = os.getloadavg()[0]
             t0 = time.perf_counter()
             try:
                 if row in zr_rows:
-                    rec = session.run(int(row[2]), spec, prefetch=args.zr_prefetch == "on",
-                                      zero=bucket_config(row, args), comm_every_step=args.bucket_rows)
+                    got = session.run_interleaved(
+                        {r: (int(r[2]), bucket_config(r, args)) for r in together}, spec,
+                        prefetch=args.zr_prefetch == "on", comm_every_step=args.bucket_rows)
                 else:
-                    rec = run_peer(row, spec, args)
-                rec["status"] = "ok"
+                    got = {row: run_peer(row, spec, args)}
+                for rec in got.values():
+                    rec["status"] = "ok"
             except Exception as e:
                 traceback.print_exc()
-                rec = {"status": "failed", "note": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                       "error": str(e)}
-            rec["wall_s"] = time.perf_counter() - t0
-            rec["loadavg_1m"] = [load_before, os.getloadavg()[0]]  # before, after: how noisy it was
-            records[row] = rec
-            if rec["status"] == "ok":
-                log(f"[{row}] median {median(rec['step_s'][spec.warmup_steps:]):.3f} s/step, "
-                    f"losses {fmt_losses(rec['losses'])} ({rec['wall_s']:.0f}s, load {load_before:.1f})")
-            else:
-                log(f"[{row}] FAILED: {rec['note']}")
-            if row in zr_rows and row == zr_rows[-1] and session is not None:
+                got = {r: {"status": "failed", "error": str(e),
+                           "note": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"} for r in together}
+            for name, rec in got.items():
+                rec["wall_s"] = time.perf_counter() - t0
+                rec["loadavg_1m"] = [load_before, os.getloadavg()[0]]  # before, after: how noisy it was
+                records[name] = rec
+                if rec["status"] == "ok":
+                    log(f"[{name}] median {median(rec['step_s'][spec.warmup_steps:]):.3f} s/step, "
+                        f"losses {fmt_losses(rec['losses'])} ({rec['wall_s']:.0f}s, load {load_before:.1f})")
+                else:
+                    log(f"[{name}] FAILED: {rec['note']}")
+            if row in zr_rows and (row == zr_rows[-1] or args.zr_interleave) and session is not None:
                 session.close()  # before the DeepSpeed rows: Ray's daemons must not share the cores
                 session = None
     finally:
@@ -446,6 +458,7 @@ def main(argv=None) -> int:
         "zr_buckets": args.zr_buckets,
         "zr_bucket_timeout_ms": args.zr_bucket_timeout_ms,
         "zr_bucket_timeout_ms_auto": args.zr_bucket_timeout_ms_auto,
+        "zr_interleave": args.zr_interleave,
         "environment": env,
         "rows": records,
         "rounds": args.rounds,
