@@ -294,7 +294,11 @@ def derive(records: dict, spec: BenchSpec) -> None:
             exposed = [max(c.get("exposed_s", 0.0) for c in step if isinstance(c, dict))
                        for step in steps[spec.warmup_steps:] if step]
             rec["exposed_s_median"] = median(exposed)
-            extras = [f"exposed_med={rec['exposed_s_median']:.3g}"] + [e for e in extras if not e.startswith("exposed_s=")]
+            blocked = [max(c.get("bucket_blocked_ms", 0.0) for c in step if isinstance(c, dict))
+                       for step in steps[spec.warmup_steps:] if step]
+            rec["bucket_blocked_ms_median"] = median(blocked)
+            extras = [f"exposed_med={rec['exposed_s_median']:.3g} blocked_med={rec['bucket_blocked_ms_median']:.3g}ms"] + [
+                e for e in extras if not e.startswith("exposed_s=")]
         last = comm[0] if comm and isinstance(comm[0], dict) else {}
         if "buckets_full" in last:
             extras.append(f"buckets full/timeout/end={last['buckets_full']}/{last['buckets_timeout']}/"

@@ -464,11 +464,13 @@ class Engine:
     def bucket_stats(self) -> Dict[str, Any]:
         """The gradient buckets of the last step: how many were launched full, by the flush
         timeout, and at the end of backward; the mean wait of a bucket's first gradient (arrival
-        to launch, this rank); their size; with "auto", the size changes so far as (step after
-        which it changed, old, new)."""
+        to launch, this rank); the time this rank blocked on reductions (their share of
+        ``exposed_s``); their size; with "auto", the size changes so far as (step after which it
+        changed, old, new)."""
         s, tuner = self._bucket_stats, self.bucket_tuner
         stats = {"buckets_full": s["full"], "buckets_timeout": s["timeout"], "buckets_end": s["end"],
-                 "bucket_first_wait_ms": s["first_wait_ms"], "bucket_bytes": s["bucket_bytes"],
+                 "bucket_first_wait_ms": s["first_wait_ms"], "bucket_blocked_ms": s["blocked_ms"],
+                 "bucket_bytes": s["bucket_bytes"],
                  "bucket_timeout_ms": tuner.timeout_ms if tuner is not None else None}
         if tuner is not None and tuner.auto:
             stats["bucket_size_changes"] = [list(change) for change in tuner.changes]

@@ -232,7 +232,9 @@ class GradBuckets:
 
     def _complete_oldest(self) -> None:
         b, handle = self._inflight.popleft()
+        t0 = time.perf_counter()
         self.wait(handle)
+        self._stats["blocked_s"] += time.perf_counter() - t0
         inp, out = self._bufs.pop(b)
         with torch.no_grad():
             for piece in self.buckets[b].pieces:
@@ -264,11 +266,13 @@ class GradBuckets:
                         {u: us(self._unit_done.get(u)) for u in self.unit_order}, us(end))
 
     def take_stats(self) -> dict:
-        """Launches since the last call, by why (``Cut``), and the mean wait of a bucket's first
-        tensor (arrival to launch); starts counting anew."""
+        """Launches since the last call, by why (``Cut``); the mean wait of a bucket's first tensor
+        (arrival to launch); the time spent blocked on reductions (the buckets' share of the
+        exposed communication). Starts counting anew."""
         stats, self._stats = self._stats, _new_stats()
         wait_ms = 1e3 * stats["wait_s"] / stats["waited"] if stats["waited"] else 0.0
-        return {"full": stats["full"], "timeout": stats["timeout"], "end": stats["end"], "first_wait_ms": wait_ms}
+        return {"full": stats["full"], "timeout": stats["timeout"], "end": stats["end"], "first_wait_ms": wait_ms,
+                "blocked_ms": 1e3 * stats["blocked_s"]}
 
     def buffer_bytes(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -280,7 +284,7 @@ class GradBuckets:
 
 
 def _new_stats() -> dict:
-    return {"full": 0, "timeout": 0, "end": 0, "wait_s": 0.0, "waited": 0}
+    return {"full": 0, "timeout": 0, "end": 0, "wait_s": 0.0, "waited": 0, "blocked_s": 0.0}
 
 
 def _plain_wait(handle) -> None:
