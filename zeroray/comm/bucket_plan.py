@@ -19,8 +19,8 @@ agrees on, a measured step:
 2. The step's status all-reduce (engine.py) carries these numbers: every rank gets their sum
    over ranks, integers summed exactly, so the mean timeline is the same, bit for bit, on
    every rank. Steps that failed, stage-3 steps that negotiated fetches (the ranks ran
-   different modules, [Note: negotiated fetch]) and the first step (allocators warming up;
-   stage 3 negotiates it) teach nothing; the plan stays as it was.
+   different modules, [Note: negotiated fetch] in negotiate.py) and the first step
+   (allocators warming up; stage 3 negotiates it) teach nothing; the plan stays as it was.
 3. The tuner (bucket_tuner.py) smooths the timeline over steps and ``simulate`` replays the
    rule on it at unit granularity: walking the units in plan order, a bucket is cut before
    the unit whose gradients would complete more than T after the bucket's first gradient
@@ -32,9 +32,10 @@ agrees on, a measured step:
    arrived: with the content the timeout would have sent, and no later than it would have.
 
 Why whole units: in a reduce-scatter a bucket's column range takes a slice of every rank's
-row of the unit, i.e. parameters from W places of it ([Note: gradient buckets]), so no
-column range is complete before (nearly) the whole unit is; a cut inside a unit would
-launch nothing earlier. The unit is the smallest part whose gradients complete together.
+row of the unit, i.e. parameters from W places of it ([Note: gradient buckets] in
+buckets.py), so no column range is complete before (nearly) the whole unit is; a cut inside
+a unit would launch nothing earlier. The unit is the smallest part whose gradients complete
+together.
 
 The plan never makes a rank wait for a gradient it will not produce: a cut only ends a
 bucket earlier; a bucket still launches when its own gradients have arrived, and ``finish``
@@ -53,13 +54,13 @@ two, within [``AUTO_MIN_BYTES``, ``AUTO_MAX_BYTES``]: up at once (a burst is bei
 only when the largest burst fits in ``SHRINK_MARGIN`` of half the size (so a burst near a
 power of two does not flip the size every step). Without a given timeout, "auto" takes an
 eighth (``AUTO_BUCKETS_PER_BACKWARD`` in bucket_tuner.py) of the measured backward, first
-gradient to ``finish``, as T: how long a gradient may usefully wait scales with the hardware
-(a CPU backward lasts hundreds of milliseconds, a GPU one a few), and so does the number of
-collectives worth issuing per backward, which this keeps near eight plus the unit boundaries
-slower than T. The gathers' coalescing bound (gather.py)
-stays at the configured default: gathers are issued by the prefetch schedule, not by
-gradient arrival, so the timeline says nothing about them, and stage 3 builds its schedule
-once from the verified trace with that bound ([Note: fetch trace] in trace.py).
+gradient to ``finish``, as T: how long a gradient may usefully wait scales with how long
+backward takes, which differs by orders of magnitude between a CPU and a GPU, so no fixed
+number fits both; this way no gradient waits for company longer than an eighth of the
+backward. The gathers' coalescing bound (gather.py) stays at the configured default:
+gathers are issued by the prefetch schedule, not by gradient arrival, so the timeline says
+nothing about them, and stage 3 builds its schedule once from the verified trace with that
+bound ([Note: fetch trace] in trace.py).
 """
 from __future__ import annotations
 

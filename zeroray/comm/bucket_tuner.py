@@ -15,8 +15,8 @@ from zeroray.comm.bucket_plan import Timeline, auto_capacity, simulate
 
 log = logging.getLogger("zeroray")
 
-# "auto" without a given timeout: the timeout is this fraction of the measured backward
-# ([Note: bucket sizing] in bucket_plan.py; the choice is measured in benchmarks/README.md).
+# "auto" without a given timeout: the timeout is the measured backward over this number
+# ([Note: bucket sizing] in bucket_plan.py; what it gives is in benchmarks/README.md).
 AUTO_BUCKETS_PER_BACKWARD = 8
 
 
