@@ -2,6 +2,8 @@
 
     python benchmarks/compare.py [--large] [--model gpt|mha|hf-gpt2] [--steps N] [--rounds R] [--workers 2]
         [--only floor,ddp,fsdp2,zr0,zr1,zr2,zr3,ds1,ds2,ds3] [--json out.json] [--zr-prefetch on|off]
+        [--zr-buckets fixed,timeout,auto] [--zr-bucket-timeout-ms T] [--zr-bucket-timeout-ms-auto T]
+        [--zr-interleave]
 
 Every row trains the same model (``--model``: examples/gpt.py's GPT, or one zeroray did not
 write, see bench_models.py) from the same initial weights on the same
@@ -14,6 +16,15 @@ This machine's speed drifts by 10-20% over minutes, which moves a row run at ano
 time more than the differences being measured. ``--rounds R`` runs the whole sequence of
 rows R times; each row's median is over its timed steps of every round, and the ratios
 the targets are stated in (zr3/fsdp2, zr1/ddp, zr2/ddp) are printed per round as well.
+
+``--zr-buckets`` runs each zeroray row in up to three gradient-bucket settings, one after
+another: ``fixed`` (the row itself, e.g. zr3: 16 MiB buckets launched when full), ``timeout``
+(zr3-timeout: the same with ``bucket_timeout_ms``) and ``auto`` (zr3-auto: ``bucket_bytes="auto"``,
+by default with its own timeout). With it, every zeroray row reads comm_report() after each step, and
+the table's note gives the median exposed communication over the timed steps and the
+buckets of the last step; the size "auto" settled on, and after which step, follow the table.
+``--zr-interleave`` builds every zeroray row's trainer at once and steps them in turn, so
+that rows compared with each other see the same load (the rows are otherwise minutes apart).
 """
 from __future__ import annotations
 
@@ -33,6 +44,8 @@ if BENCH_DIR not in sys.path:
 from common import ROOT, BenchSpec, add_import_paths, median  # noqa: E402
 
 ALL_ROWS = ("floor", "ddp", "fsdp2", "zr0", "zr1", "zr2", "zr3", "ds1", "ds2", "ds3")
+BUCKET_SETTINGS = ("fixed", "timeout", "auto")
+DEFAULT_TIMEOUT_MS = 50.0
 # Multi-worker rows train on the same global batches and must report the same losses.
 LOSS_RTOL = 1e-4
 MB = 1e6
@@ -55,6 +68,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where to write the results (default benchmarks/results/compare.json)")
     p.add_argument("--zr-prefetch", choices=("on", "off"), default="on",
                    help="ZeroConfig(prefetch=...) for the zeroray rows (matters for stage 3)")
+    p.add_argument("--zr-buckets", default="fixed",
+                   help="comma-separated bucket settings for each zeroray row: fixed (zrN), timeout (zrN-timeout), "
+                        "auto (zrN-auto); default fixed")
+    p.add_argument("--zr-bucket-timeout-ms", type=float, default=DEFAULT_TIMEOUT_MS,
+                   help=f"bucket_timeout_ms of the timeout rows (default {DEFAULT_TIMEOUT_MS:g})")
+    p.add_argument("--zr-bucket-timeout-ms-auto", type=float, default=None,
+                   help="bucket_timeout_ms of the auto rows (default None: derived from the measured backward)")
+    p.add_argument("--zr-interleave", action="store_true",
+                   help="build every zeroray row's trainer at once and step them in turn (row A's step 1, row B's "
+                        "step 1, ...), so the machine's drift slows them alike")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a torch/DeepSpeed row is killed")
     # Overrides for quick checks; the defaults are the benchmark.
     p.add_argument("--d-model", type=int, help=argparse.SUPPRESS)
@@ -70,6 +93,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"--only: unknown row(s) {unknown}; choose from {','.join(ALL_ROWS)}")
     args.rows = [r for r in ALL_ROWS if r in args.rows]  # always the canonical order
+    buckets = [b.strip() for b in args.zr_buckets.split(",") if b.strip()]
+    if not buckets or any(b not in BUCKET_SETTINGS for b in buckets):
+        p.error(f"--zr-buckets: choose from {','.join(BUCKET_SETTINGS)}")
+    args.bucket_rows = buckets != ["fixed"]
+    # zr3 with fixed,timeout,auto -> zr3, zr3-timeout, zr3-auto (one after another)
+    args.rows = [variant for r in args.rows for variant in (
+        [r + ("" if b == "fixed" else "-" + b) for b in BUCKET_SETTINGS if b in buckets] if r.startswith("zr") else [r])]
     for name in ("steps", "workers", "batch", "threads", "seq_len", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -119,6 +149,16 @@ def run_peer(row: str, spec: BenchSpec, args) -> dict:
                                         extra={"stage": stage}))
 
 
+def bucket_config(row: str, args) -> dict:
+    """ZeroConfig fields of a zeroray row's bucket setting (zr3: none, zr3-timeout, zr3-auto)."""
+    setting = row.partition("-")[2]
+    if setting == "timeout":
+        return {"bucket_timeout_ms": args.zr_bucket_timeout_ms}
+    if setting == "auto":  # without --zr-bucket-timeout-ms: zeroray's own (derived) timeout
+        return {"bucket_bytes": "auto", "bucket_timeout_ms": args.zr_bucket_timeout_ms_auto}
+    return {}
+
+
 def run_all(spec: BenchSpec, args) -> dict:
     records = {}
     zr_rows = [r for r in args.rows if r.startswith("zr")]
@@ -145,28 +185,35 @@ def run_all(spec: BenchSpec, args) -> dict:
             if row in zr_rows and session_error:
                 records[row] = {"status": "failed", "note": session_error}
                 continue
-            log(f"[{row}] running ...")
+            if row in records:
+                continue  # run already, interleaved with the other zeroray rows
+            together = zr_rows if row in zr_rows and args.zr_interleave else [row]
+            log(f"[{','.join(together)}] running ...")
             load_before = os.getloadavg()[0]
             t0 = time.perf_counter()
             try:
                 if row in zr_rows:
-                    rec = session.run(int(row[2:]), spec, prefetch=args.zr_prefetch == "on")
+                    got = session.run_interleaved(
+                        {r: (int(r[2]), bucket_config(r, args)) for r in together}, spec,
+                        prefetch=args.zr_prefetch == "on", comm_every_step=args.bucket_rows)
                 else:
-                    rec = run_peer(row, spec, args)
-                rec["status"] = "ok"
+                    got = {row: run_peer(row, spec, args)}
+                for rec in got.values():
+                    rec["status"] = "ok"
             except Exception as e:
                 traceback.print_exc()
-                rec = {"status": "failed", "note": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                       "error": str(e)}
-            rec["wall_s"] = time.perf_counter() - t0
-            rec["loadavg_1m"] = [load_before, os.getloadavg()[0]]  # before, after: how noisy it was
-            records[row] = rec
-            if rec["status"] == "ok":
-                log(f"[{row}] median {median(rec['step_s'][spec.warmup_steps:]):.3f} s/step, "
-                    f"losses {fmt_losses(rec['losses'])} ({rec['wall_s']:.0f}s, load {load_before:.1f})")
-            else:
-                log(f"[{row}] FAILED: {rec['note']}")
-            if row in zr_rows and row == zr_rows[-1] and session is not None:
+                got = {r: {"status": "failed", "error": str(e),
+                           "note": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"} for r in together}
+            for name, rec in got.items():
+                rec["wall_s"] = time.perf_counter() - t0
+                rec["loadavg_1m"] = [load_before, os.getloadavg()[0]]  # before, after: how noisy it was
+                records[name] = rec
+                if rec["status"] == "ok":
+                    log(f"[{name}] median {median(rec['step_s'][spec.warmup_steps:]):.3f} s/step, "
+                        f"losses {fmt_losses(rec['losses'])} ({rec['wall_s']:.0f}s, load {load_before:.1f})")
+                else:
+                    log(f"[{name}] FAILED: {rec['note']}")
+            if row in zr_rows and (row == zr_rows[-1] or args.zr_interleave) and session is not None:
                 session.close()  # before the DeepSpeed rows: Ray's daemons must not share the cores
                 session = None
     finally:
@@ -193,6 +240,10 @@ def merge_rounds(rounds: list, spec: BenchSpec) -> dict:
                 t for r in ok for t in r["step_s"][spec.warmup_steps:]]
             rec["round_medians"] = [median(r["step_s"][spec.warmup_steps:]) for r in ok]
             rec["comm"], rec["memory_report"] = ok[-1].get("comm"), ok[-1].get("memory_report")
+            if all(r.get("comm_steps") for r in ok):
+                rec["comm_steps"] = ok[0]["comm_steps"][:spec.warmup_steps] + [
+                    c for r in ok for c in r["comm_steps"][spec.warmup_steps:]]
+                rec["round_bucket_changes"] = [_last_report_key(r, "bucket_size_changes") for r in ok]
         records[row] = rec
     return records
 
@@ -238,12 +289,51 @@ def derive(records: dict, spec: BenchSpec) -> None:
             vals = [c.get(key) for c in comm if isinstance(c, dict) and c.get(key) is not None]
             if vals:
                 extras.append(f"{key}={max(vals):.3g}" if key != "prefetch_hits" else f"{key}={int(min(vals))}")
+        steps = rec.get("comm_steps")
+        if steps:  # the median over timed steps of the busiest worker's exposed communication
+            exposed = [max(c.get("exposed_s", 0.0) for c in step if isinstance(c, dict))
+                       for step in steps[spec.warmup_steps:] if step]
+            rec["exposed_s_median"] = median(exposed)
+            blocked = [max(c.get("bucket_blocked_ms", 0.0) for c in step if isinstance(c, dict))
+                       for step in steps[spec.warmup_steps:] if step]
+            rec["bucket_blocked_ms_median"] = median(blocked)
+            extras = [f"exposed_med={rec['exposed_s_median']:.3g} blocked_med={rec['bucket_blocked_ms_median']:.3g}ms"] + [
+                e for e in extras if not e.startswith("exposed_s=")]
+        last = comm[0] if comm and isinstance(comm[0], dict) else {}
+        if "buckets_full" in last:
+            extras.append(f"buckets full/timeout/end={last['buckets_full']}/{last['buckets_timeout']}/"
+                          f"{last['buckets_end']} wait={last['bucket_first_wait_ms']:.3g}ms "
+                          f"size={last['bucket_bytes'] / 2**20:g}MiB"
+                          + (f" T={last['bucket_timeout_ms']:.3g}ms" if last.get("bucket_timeout_ms") else ""))
         for report in (comm, rec.get("memory_report") or []):
             extras += [r["error"] for r in report if isinstance(r, dict) and "error" in r][:1]
         if extras:
             rec["note"] = " ".join(extras)
     if floor_s is not None:
         floor["comm_mb_per_worker_step"] = [0.0]
+
+
+def _last_report_key(rec: dict, key: str):
+    comm = rec.get("comm") or []
+    return comm[0].get(key) if comm and isinstance(comm[0], dict) else None
+
+
+def bucket_lines(records: dict) -> list:
+    """Where bucket_bytes="auto" settled: the size, the changes, after which step the last one."""
+    lines = []
+    for name, rec in records.items():
+        if rec.get("status") != "ok" or not name.endswith("-auto"):
+            continue
+        per_round = rec.get("round_bucket_changes") or [_last_report_key(rec, "bucket_size_changes")]
+        for i, changes in enumerate(per_round):
+            if changes is None:
+                continue
+            size = (changes[-1][2] if changes else 16 * 2**20) / 2**20
+            moves = ", ".join(f"after step {s}: {a / 2**20:g} -> {b / 2**20:g} MiB" for s, a, b in changes)
+            where = f" (round {i + 1})" if len(per_round) > 1 else ""
+            lines.append(f"{name}{where}: settled on {size:g} MiB" + (
+                f" after step {changes[-1][0]} ({len(changes)} change(s): {moves})" if changes else " (no change)"))
+    return lines
 
 
 def check_losses(records: dict, spec: BenchSpec) -> list:
@@ -356,6 +446,8 @@ def main(argv=None) -> int:
     ratios = target_ratios(rounds, records, spec)
     for line in ratios["lines"]:
         print(line)
+    for line in bucket_lines(records):
+        print(line)
     skipped = [f"{k}: {r['note']}" for k, r in records.items() if r.get("status") == "skipped"]
     ds_skipped = [k for k, r in records.items() if r.get("status") == "skipped" and k.startswith("ds")]
     if ds_skipped:
@@ -367,6 +459,10 @@ def main(argv=None) -> int:
         "spec": spec.as_dict(),
         "num_params": num_params(spec),
         "zr_prefetch": args.zr_prefetch,
+        "zr_buckets": args.zr_buckets,
+        "zr_bucket_timeout_ms": args.zr_bucket_timeout_ms,
+        "zr_bucket_timeout_ms_auto": args.zr_bucket_timeout_ms_auto,
+        "zr_interleave": args.zr_interleave,
         "environment": env,
         "rows": records,
         "rounds": args.rounds,

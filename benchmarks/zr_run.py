@@ -7,7 +7,7 @@ not (yet) provide leaves a blank in the table instead of failing the benchmark.
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from common import BENCHMARKS, EXAMPLES, BenchSpec, StepClock, add_import_paths, global_batches, model_fn
 
@@ -33,41 +33,70 @@ class ZeroraySession:
         if self._ray_was_up or os.environ.get("RAY_ADDRESS"):
             _pickle_examples_by_value()  # a remote cluster's workers have no examples/ on disk
 
-    def run(self, stage: int, spec: BenchSpec, *, prefetch: bool) -> dict:
+    def run(self, stage: int, spec: BenchSpec, *, prefetch: bool, zero: Optional[dict] = None,
+            comm_every_step: bool = False) -> dict:
+        """``zero``: further ZeroConfig fields (the bucket rows). ``comm_every_step``: read
+        comm_report() after every step (outside the timed part), not only after the last."""
+        return self.run_interleaved({"row": (stage, zero)}, spec, prefetch=prefetch,
+                                    comm_every_step=comm_every_step)["row"]
+
+    def run_interleaved(self, rows: Dict[str, Tuple[int, Optional[dict]]], spec: BenchSpec, *, prefetch: bool,
+                        comm_every_step: bool = False) -> Dict[str, dict]:
+        """Several rows ({name: (stage, ZeroConfig fields)}) at once: every row's trainer is built
+        first, then they take turns, one step each (row A's step 1, row B's step 1, ...), so a
+        machine whose speed drifts over minutes slows every row alike. One row: ``run``."""
         import bench_models
 
         zr = self.zr
-        trainer = zr.Trainer(
-            model_fn(spec),
-            bench_models.lm_loss,
-            optimizer=zr.AdamW(lr=spec.lr, weight_decay=spec.weight_decay),
-            zero=zr.ZeroConfig(stage=stage, prefetch=prefetch),
-            scaling=zr.ScalingConfig(num_workers=spec.num_workers, threads_per_worker=spec.threads),
-            seed=spec.seed,
-        )
+        runs: Dict[str, _Run] = {}
         try:
-            clock, losses = StepClock(spec.warmup_steps), []
+            for name, (stage, zero) in rows.items():
+                runs[name] = _Run(zr.Trainer(
+                    model_fn(spec),
+                    bench_models.lm_loss,
+                    optimizer=zr.AdamW(lr=spec.lr, weight_decay=spec.weight_decay),
+                    zero=zr.ZeroConfig(stage=stage, prefetch=prefetch, **(zero or {})),
+                    scaling=zr.ScalingConfig(num_workers=spec.num_workers, threads_per_worker=spec.threads),
+                    seed=spec.seed,
+                ), StepClock(spec.warmup_steps))
             for batch in global_batches(spec):
-                clock.start()
-                result = trainer.step(batch)
-                loss = float(result.loss)
-                clock.stop()
-                losses.append(loss)
-            comm = _per_worker(_call(trainer, "comm_report"))
-            memory = _per_worker(_call(trainer, "memory_report"))
+                for run in runs.values():
+                    run.clock.start()
+                    result = run.trainer.step(batch)
+                    loss = float(result.loss)
+                    run.clock.stop()
+                    run.losses.append(loss)
+                    if comm_every_step:
+                        run.comm_steps.append(_per_worker(_call(run.trainer, "comm_report")))
+            return {name: run.record() for name, run in runs.items()}
         finally:
-            trainer.shutdown()
-        return {
-            "step_s": clock.times,
-            "losses": losses,
-            "comm": comm,
-            "peak_rss_bytes": [_num(m, "peak_rss_bytes") for m in memory] if memory else None,
-            "memory_report": memory,
-        }
+            for run in runs.values():
+                run.trainer.shutdown()
 
     def close(self) -> None:
         if not self._ray_was_up and self.ray.is_initialized():
             self.ray.shutdown()  # the embedded local Ray that zr.Trainer started for us
+
+
+class _Run:
+    """One row's trainer and what it measured so far."""
+
+    def __init__(self, trainer, clock: StepClock) -> None:
+        self.trainer, self.clock = trainer, clock
+        self.losses: List[float] = []
+        self.comm_steps: List[Any] = []
+
+    def record(self) -> dict:
+        comm = self.comm_steps[-1] if self.comm_steps else _per_worker(_call(self.trainer, "comm_report"))
+        memory = _per_worker(_call(self.trainer, "memory_report"))
+        return {
+            "step_s": self.clock.times,
+            "losses": self.losses,
+            "comm": comm,
+            "comm_steps": self.comm_steps or None,
+            "peak_rss_bytes": [_num(m, "peak_rss_bytes") for m in memory] if memory else None,
+            "memory_report": memory,
+        }
 
 
 def _pickle_examples_by_value() -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 DTYPES = ("fp32", "bf16", "fp16")
+DEFAULT_BUCKET_BYTES = 16 * 2**20
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
@@ -37,7 +38,15 @@ class ZeroConfig:
     stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters.
     dtype: compute dtype of parameters and gradients; the optimizer keeps an fp32 master shard.
     reduce_dtype: dtype gradients are reduced in (None: fp32).
-    bucket_bytes: size of one coalescing bucket (C_B) for gradient reduction and gathers.
+    bucket_bytes: size of one coalescing bucket (C_B) for gradient reduction and gathers, or
+        "auto": gradient buckets start at the default size and, between steps, move to the
+        size of the largest run of gradients that arrive within the flush timeout of each other
+        (each change logged on the "zeroray" logger); gathers keep the default size.
+    bucket_timeout_ms: flush timeout of a gradient bucket (None: off, a bucket is launched when
+        full and at the end of backward). A bucket is also launched when this long has passed
+        since its first gradient arrived, as planned from the gradients' measured arrival in
+        earlier steps, so that every worker cuts the same buckets. With bucket_bytes="auto",
+        None means an eighth of the measured backward.
     prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use. None
         (default): sized from the model, the bytes of its largest unit (the grain of gathers,
         see zeroray/arena.py), so that every unit can be gathered ahead of its use, but never
@@ -65,7 +74,8 @@ class ZeroConfig:
     stage: int = 3
     dtype: str = "fp32"
     reduce_dtype: Optional[str] = None
-    bucket_bytes: int = 16 * 2**20
+    bucket_bytes: Union[int, str] = DEFAULT_BUCKET_BYTES
+    bucket_timeout_ms: Optional[float] = None
     prefetch_bytes: Optional[int] = None
     max_live_bytes: Optional[int] = None
     reuse_distance: int = 2
@@ -94,13 +104,17 @@ class ZeroConfig:
             _fail(c, "dtype", self.dtype, f"choose one of {DTYPES}")
         if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
             _fail(c, "reduce_dtype", self.reduce_dtype, f"choose one of {DTYPES} or None (fp32)")
-        for name in ("bucket_bytes", "prefetch_bytes", "max_live_bytes"):
+        if self.bucket_bytes != "auto":
+            value = self.bucket_bytes
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                _fail(c, "bucket_bytes", value, "it must be a positive number of bytes (an int > 0) or 'auto'")
+        _positive_number(c, "bucket_timeout_ms", self.bucket_timeout_ms, allow_none=True)
+        for name in ("prefetch_bytes", "max_live_bytes"):
             value = getattr(self, name)
-            if name != "bucket_bytes" and value is None:
+            if value is None:
                 continue  # sized from the model when the engine is built
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                _fail(c, name, value, "it must be a positive number of bytes (an int > 0)"
-                      + ("" if name == "bucket_bytes" else " or None (sized from the model)"))
+                _fail(c, name, value, "it must be a positive number of bytes (an int > 0) or None (sized from the model)")
         for name in ("prefetch", "offload_activations", "sharded_init", "cast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "it must be True or False")
@@ -142,6 +156,12 @@ class ZeroConfig:
     @property
     def reduce_dtype_name(self) -> str:
         return self.reduce_dtype or "fp32"
+
+    @property
+    def base_bucket_bytes(self) -> int:
+        """``bucket_bytes``, or with "auto" the default: where gradient buckets start, and the
+        bound of coalesced gathers, which "auto" leaves alone (see [Note: bucket sizing] in comm/bucket_plan.py)."""
+        return DEFAULT_BUCKET_BYTES if self.bucket_bytes == "auto" else self.bucket_bytes
 
 
 @dataclass(frozen=True, kw_only=True)

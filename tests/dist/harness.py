@@ -52,6 +52,7 @@ def _run_one(rank, world, port, spec, out_file):
         if engine.fetch_stats():
             report["fetch"] = engine.fetch_stats()
         report["bucket_pool"] = engine.reducer.pool_size
+        report["buckets"] = engine.bucket_stats()
         report["time_s"] = stats.time_s
         reports.append(report)
     # Model-state bytes the engine holds after the last step, and (opt-in) every live tensor

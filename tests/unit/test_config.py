@@ -19,6 +19,11 @@ BAD = [
     (zr.ZeroConfig, "bucket_bytes", 0, "positive number of bytes"),
     (zr.ZeroConfig, "bucket_bytes", -4096, "positive number of bytes"),
     (zr.ZeroConfig, "bucket_bytes", 1.5e6, "positive number of bytes"),
+    (zr.ZeroConfig, "bucket_bytes", "large", "'auto'"),
+    (zr.ZeroConfig, "bucket_timeout_ms", 0, "> 0 or None"),
+    (zr.ZeroConfig, "bucket_timeout_ms", -5.0, "> 0 or None"),
+    (zr.ZeroConfig, "bucket_timeout_ms", NAN, "> 0 or None"),
+    (zr.ZeroConfig, "bucket_timeout_ms", "5ms", "> 0 or None"),
     (zr.ZeroConfig, "prefetch_bytes", 0, "positive number of bytes"),
     (zr.ZeroConfig, "max_live_bytes", -1, "positive number of bytes"),
     (zr.ZeroConfig, "reuse_distance", -1, ">= 0"),
@@ -84,6 +89,8 @@ def test_cross_field_rules_name_the_field():
 def test_defaults_and_good_values_pass():
     zr.ZeroConfig()
     zr.ZeroConfig(stage=0, dtype="bf16", reduce_dtype="fp32", max_grad_norm=1.0, activation_checkpointing=True)
+    zr.ZeroConfig(bucket_bytes="auto", bucket_timeout_ms=2.5)
+    assert zr.ZeroConfig(bucket_bytes="auto").base_bucket_bytes == zr.ZeroConfig().bucket_bytes
     zr.ScalingConfig(num_workers=4, min_workers=2, cpus_per_worker=0.5, use_gpu=True)
     zr.FailureConfig(max_failures=0)
     zr.CheckpointConfig(path="ckpts/", every_steps=5, keep=1)

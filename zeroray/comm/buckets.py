@@ -13,31 +13,35 @@ Gradients arrive one parameter at a time (a post-accumulate-grad hook), are copi
 their bucket's buffer and dropped. A bucket whose parameters have all arrived is launched
 asynchronously, but only in plan order (see [Note: collective order] in group.py), so the
 reduction of one bucket overlaps the rest of backward. Buffers come from a small pool that
-is allocated once and reused every step; a bucket waits for a free buffer rather than
-allocating one, unless every buffer is still being filled (arrival order far from the plan).
+is allocated once and reused every step; with ``MAX_INFLIGHT`` reductions in flight, a bucket
+waits for the oldest to finish rather than allocating a buffer (unless every buffer is still
+being filled: arrival order far from the plan). Two in flight, not one: with small buckets
+(the flush timeout) a bucket's first gradient would otherwise wait for the reduction of the
+bucket just launched, in the middle of backward.
 
 In a negotiated stage-3 step (negotiate.py) over a backend without independent channels
 (NCCL), ``hold=True`` keeps every launch for ``finish``, after the agreement rounds, so the
 reductions never interleave with the rounds' gathers in one stream of collectives.
+
+The plan itself (comm/bucket_plan.py) may end a bucket early, after a unit whose successor's
+gradients come too late: the flush timeout, planned from measured steps so that every rank
+cuts the same buckets ([Note: bucket timeout]); ``replan`` installs a new plan between steps.
+Each backward records when every unit's gradients arrived (``last_timeline``), what the
+tuner learns from, and each step counts why its buckets were launched and how long their
+first tensor waited (``take_stats``).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from zeroray.arena import FlatLayout
+from zeroray.comm.bucket_plan import Cut, Piece, Timeline, pack
 from zeroray.comm.group import Channel, Group
-
-
-@dataclass
-class Piece:
-    unit: int
-    a: int    # first column of the unit's (rows, row_numel) view
-    b: int    # end column
-    off: int  # first column inside the bucket's rows
 
 
 @dataclass
@@ -46,6 +50,7 @@ class Bucket:
     pieces: List[Piece] = field(default_factory=list)
     row_numel: int = 0
     num_params: int = 0
+    cut: Cut = Cut.END  # why the plan ends it here
 
 
 @dataclass
@@ -59,22 +64,27 @@ class _Copy:
 class GradBuckets:
     """Reduce gradients into ``target`` (an fp32 1D tensor: grad shard, or full grads)."""
 
+    MAX_INFLIGHT = 2  # reductions in flight before a new bucket waits for the oldest (module docstring)
+
     def __init__(self, layout: FlatLayout, group: Group, target: torch.Tensor, *,
                  mode: str, bucket_bytes: int, dtype: torch.dtype, unit_order: Sequence[int]) -> None:
         assert mode in ("reduce_scatter", "all_reduce")
         self.layout, self.group, self.target, self.mode, self.dtype = layout, group, target, mode, dtype
         self.rows = group.world_size if mode == "reduce_scatter" else 1
-        elem = torch.tensor([], dtype=dtype).element_size()
-        self.capacity = max(bucket_bytes // (self.rows * elem), 1)  # columns per bucket
-        self.buckets: List[Bucket] = []
-        self.copies: Dict[str, List[_Copy]] = {}
-        self._plan(list(unit_order))
+        self.unit_order = list(unit_order)
+        self.unit_columns = {u.index: self._row(u)[0] for u in layout.units}
+        self.column_bytes = self.rows * torch.tensor([], dtype=dtype).element_size()
         self._free: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.pool_size = 0
+        self._buf_numel = 0     # columns the pooled buffers were allocated for
         self.hold = False       # see the module docstring
         self.accepting = True   # this backward's gradients go through the buckets (else autograd keeps them)
         self.wait = _plain_wait  # the engine's polling waiter (comm/waiter.py)
-        self._reset()
+        self.last_timeline: Optional[Timeline] = None  # of the last finished backward
+        self._stats = _new_stats()
+        self._bufs: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._inflight: deque = deque()
+        self.replan(bucket_bytes, frozenset())
 
     # --- plan ------------------------------------------------------------------------------
 
@@ -84,22 +94,25 @@ class GradBuckets:
             return unit.shard_numel, unit.shard_offset
         return unit.padded, unit.full_offset
 
-    def _plan(self, unit_order: List[int]) -> None:
-        bucket = Bucket(0)
-        for ui in unit_order:
-            unit = self.layout.units[ui]
-            row_numel, _ = self._row(unit)
-            a = 0
-            while a < row_numel:
-                if bucket.row_numel == self.capacity:
-                    self.buckets.append(bucket)
-                    bucket = Bucket(len(self.buckets))
-                b = min(row_numel, a + self.capacity - bucket.row_numel)
-                bucket.pieces.append(Piece(ui, a, b, bucket.row_numel))
-                bucket.row_numel += b - a
-                a = b
-        if bucket.pieces:
-            self.buckets.append(bucket)
+    def replan(self, bucket_bytes: int, cuts: AbstractSet[int]) -> None:
+        """Install the plan of ``bucket_bytes`` buckets ending after ``cuts`` (between steps only)."""
+        assert not self._inflight and not self._bufs, "a new plan is installed between steps only"
+        self.bucket_bytes = bucket_bytes
+        self.capacity = max(bucket_bytes // self.column_bytes, 1)  # columns per bucket
+        self.buckets = []
+        self.copies: Dict[str, List[_Copy]] = {}
+        for index, spec in enumerate(pack(self.unit_order, self.unit_columns, self.capacity, cuts)):
+            self.buckets.append(Bucket(index, spec.pieces, spec.row_numel, cut=spec.cut))
+        self._copies()
+        self.max_row_numel = max((b.row_numel for b in self.buckets), default=0)
+        # Pooled buffers stay while they fit and are not mostly idle space.
+        if self.max_row_numel > self._buf_numel or self._buf_numel > 2 * self.max_row_numel:
+            self._free.clear()
+            self.pool_size = 0
+            self._buf_numel = self.max_row_numel
+        self._reset()
+
+    def _copies(self) -> None:
         for bucket in self.buckets:
             names = set()
             for piece in bucket.pieces:
@@ -116,7 +129,6 @@ class GradBuckets:
                                 _Copy(bucket.index, lo - slot.offset, hi - lo, dst))
                             names.add(name)
             bucket.num_params = len(names)
-        self.max_row_numel = max((b.row_numel for b in self.buckets), default=0)
 
     # --- per step --------------------------------------------------------------------------
 
@@ -131,18 +143,24 @@ class GradBuckets:
         self._bufs: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._next_launch = 0
         self._inflight: deque = deque()  # (bucket index, handle)
+        # This backward's arrivals (perf_counter seconds): see last_timeline.
+        self._t0: Optional[float] = None
+        self._unit_first: Dict[int, float] = {}
+        self._unit_done: Dict[int, float] = {}
+        self._unit_count: Dict[int, int] = {}
+        self._opened: Dict[int, float] = {}  # bucket -> its first tensor's arrival
 
     def _acquire(self, bucket: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if bucket in self._bufs:
             return self._bufs[bucket]
-        if not self._free and self._inflight:
+        if not self._free and len(self._inflight) >= self.MAX_INFLIGHT:
             self._complete_oldest()
         if self._free:
             inp, out = self._free.pop()
         else:
-            inp = torch.empty(self.rows * self.max_row_numel, dtype=self.dtype, device=self.target.device)
+            inp = torch.empty(self.rows * self._buf_numel, dtype=self.dtype, device=self.target.device)
             # reduce-scatter: the output, then the group's scratch (received rows on gloo)
-            out = inp[:self.max_row_numel] if self.mode == "all_reduce" else torch.empty(
+            out = inp[:self._buf_numel] if self.mode == "all_reduce" else torch.empty(
                 self._out_numel(), dtype=self.dtype, device=self.target.device)
             self.pool_size += 1
         rows = self.buckets[bucket].row_numel
@@ -156,6 +174,7 @@ class GradBuckets:
         Copies come in bucket order; each bucket is counted and launched as soon as its part is
         copied, so a parameter spanning many buckets recycles a few buffers instead of holding one
         per bucket."""
+        self._record_arrival(name)
         flat = grad.reshape(-1)
         current = None
         for c in self.copies.get(name, ()):
@@ -163,10 +182,23 @@ class GradBuckets:
                 if current is not None:
                     self._arrived(current, name)
                 current = c.bucket
+                if c.bucket not in self._opened:
+                    self._opened[c.bucket] = time.perf_counter()
             inp, _ = self._acquire(c.bucket)
             inp[c.dst:c.dst + c.length].copy_(flat[c.src:c.src + c.length])
         if current is not None:
             self._arrived(current, name)
+
+    def _record_arrival(self, name: str) -> None:
+        now = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = now
+        unit = self.layout.slots[name].unit
+        self._unit_first.setdefault(unit, now)
+        count = self._unit_count.get(unit, 0) + 1
+        self._unit_count[unit] = count
+        if count == len(self.layout.units[unit].params):
+            self._unit_done[unit] = now
 
     def _arrived(self, bucket: int, name: str) -> None:
         if (bucket, name) not in self._seen:
@@ -183,15 +215,26 @@ class GradBuckets:
             rows = self.buckets[b].row_numel
             if self.mode == "reduce_scatter":
                 handle = self.group.reduce_scatter(out[:rows], inp[:self.rows * rows], async_op=True,
-                                                   scratch=out[self.max_row_numel:], channel=Channel.REDUCE)
+                                                   scratch=out[self._buf_numel:], channel=Channel.REDUCE)
             else:
                 handle = self.group.all_reduce(inp[:rows], async_op=True)
+            self._count_launch(b, Cut.END if force else self.buckets[b].cut)
             self._inflight.append((b, handle))
             self._next_launch += 1
 
+    def _count_launch(self, bucket: int, cut: Cut) -> None:
+        stats = self._stats
+        stats[cut.value] += 1
+        opened = self._opened.get(bucket)
+        if opened is not None:  # a bucket no gradient reached on this rank has no first tensor
+            stats["wait_s"] += time.perf_counter() - opened
+            stats["waited"] += 1
+
     def _complete_oldest(self) -> None:
         b, handle = self._inflight.popleft()
+        t0 = time.perf_counter()
         self.wait(handle)
+        self._stats["blocked_s"] += time.perf_counter() - t0
         inp, out = self._bufs.pop(b)
         with torch.no_grad():
             for piece in self.buckets[b].pieces:
@@ -206,18 +249,42 @@ class GradBuckets:
 
     def finish(self) -> None:
         """End of one backward: launch what is left, wait for every reduction, start over."""
+        end = time.perf_counter()
         self._launch_ready(force=True)
+        self.last_timeline = self._timeline(end)
         while self._inflight:
             self._complete_oldest()
         self._reset()
 
+    def _timeline(self, end: float) -> Timeline:
+        """This backward's arrivals in whole microseconds since the first ([Note: bucket timeout])."""
+        t0 = self._t0 if self._t0 is not None else end
+
+        def us(t: Optional[float]) -> int:
+            return int(round(((t if t is not None else end) - t0) * 1e6))
+        return Timeline({u: us(self._unit_first.get(u)) for u in self.unit_order},
+                        {u: us(self._unit_done.get(u)) for u in self.unit_order}, us(end))
+
+    def take_stats(self) -> dict:
+        """Launches since the last call, by why (``Cut``); the mean wait of a bucket's first tensor
+        (arrival to launch); the time spent blocked on reductions (the buckets' share of the
+        exposed communication). Starts counting anew."""
+        stats, self._stats = self._stats, _new_stats()
+        wait_ms = 1e3 * stats["wait_s"] / stats["waited"] if stats["waited"] else 0.0
+        return {"full": stats["full"], "timeout": stats["timeout"], "end": stats["end"], "first_wait_ms": wait_ms,
+                "blocked_ms": 1e3 * stats["blocked_s"]}
+
     def buffer_bytes(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        per = self.rows * self.max_row_numel + (0 if self.mode == "all_reduce" else self._out_numel())
+        per = self.rows * self._buf_numel + (0 if self.mode == "all_reduce" else self._out_numel())
         return self.pool_size * per * elem
 
     def _out_numel(self) -> int:
-        return self.max_row_numel + self.group.scratch_numel(self.max_row_numel)
+        return self._buf_numel + self.group.scratch_numel(self._buf_numel)
+
+
+def _new_stats() -> dict:
+    return {"full": 0, "timeout": 0, "end": 0, "wait_s": 0.0, "waited": 0, "blocked_s": 0.0}
 
 
 def _plain_wait(handle) -> None:

@@ -164,6 +164,7 @@ class Worker:
         report = self.group.counter.as_dict()
         report["rank"] = self.rank
         report.update(self.engine.fetch_stats())
+        report.update(self.engine.bucket_stats())
         return report
 
     @engine_call
