@@ -6,8 +6,9 @@
 Each argument is a row run in the same 2 spawned gloo processes, one after another: ``ddp``,
 ``coll`` (13 MB all-reduce / reduce-scatter / all-gather), or ``s<stage>`` optionally followed
 by ZeroConfig overrides as JSON. Per row it prints rank 0's medians over the timed steps, in
-seconds: fwd (loss_fn), bwd (backward with the gradient hooks), finish (the last buckets),
-norm, opt, publish (stages 1-2 gather launch), total; for zeroray also ``exposed`` and ``comm``
+seconds: fwd (loss_fn), bwd (the rest: backward with the gradient hooks, and the step's status
+all-reduce), finish (the last buckets), norm (this rank's squared norm), opt, publish (stages 1-2
+gather launch), total; for zeroray also ``exposed`` and ``comm``
 (comm_report's exposed_s and comm_s) and the stage 3 coordinator's counters (``c_*``). Without
 Ray, this separates the engine's cost from the runtime's; ``exposed`` with prefetch on and off
 is the issue's "exposed communication" comparison as a median over steps.
@@ -82,9 +83,10 @@ def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, ov
                     zr.AdamW(lr=spec.lr, weight_decay=spec.weight_decay),
                     zr.ZeroConfig(stage=stage, **overrides), group, seed=spec.seed)
     engine.reducer.finish = timed("finish", engine.reducer.finish)
-    engine.optimizer.grad_norm = timed("norm", engine.optimizer.grad_norm)
+    engine.optimizer.local_sumsq = timed("norm", engine.optimizer.local_sumsq)
     engine.optimizer.step = timed("opt", engine.optimizer.step)
-    engine._publish_params = timed("publish", engine._publish_params)
+    if engine.coordinator is not None:
+        engine.coordinator.publish = timed("publish", engine.coordinator.publish)
     profile = cProfile.Profile() if os.environ.get("PROF") and rank == 0 else None
     rows = []
     for i, batch in enumerate(global_batches(spec)):

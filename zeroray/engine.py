@@ -109,7 +109,7 @@ class Engine:
         if self.policy.keeps_param_shard:
             self._build_coordinator(named)  # before any user callback may read a parameter
         self._build_optimizer(optimizer, named, param_groups, scheduler)
-        self.reducer = GradBuckets(self.layout, group, self.grad, mode=self.policy.reduce.value,
+        self.reducer = GradBuckets(self.layout, group, self.grad, mode=self.policy.reduce,
                                    bucket_bytes=zero.base_bucket_bytes, dtype=self.reduce_dtype,
                                    unit_order=default_unit_order(self.layout))
         self.reducer.wait = self.waiter

@@ -13,6 +13,7 @@ from zeroray.comm.bucket_plan import (AUTO_MAX_BYTES, AUTO_MIN_BYTES, Cut, Timel
 from zeroray.comm.bucket_tuner import BucketTuner
 from zeroray.comm.buckets import GradBuckets, default_unit_order
 from zeroray.comm.group import SoloGroup
+from zeroray.stage import ReduceMode
 
 MS = 1000  # microseconds
 
@@ -124,7 +125,7 @@ def _reducer(bucket_bytes, model_sizes=((3, 5), (7,), (4, 4), (6,))):
     layout = FlatLayout([(f"m{i}", [(f"m{i}.p{j}", (n,)) for j, n in enumerate(shapes)])
                          for i, shapes in enumerate(model_sizes)], 1)
     target = torch.zeros(layout.full_numel)
-    reducer = GradBuckets(layout, SoloGroup(), target, mode="all_reduce", bucket_bytes=bucket_bytes,
+    reducer = GradBuckets(layout, SoloGroup(), target, mode=ReduceMode.ALL_REDUCE, bucket_bytes=bucket_bytes,
                           dtype=torch.float32, unit_order=default_unit_order(layout))
     return layout, reducer, target
 

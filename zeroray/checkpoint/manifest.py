@@ -10,10 +10,11 @@ per-rank ``scalars`` (step counts, loss-scaler state, RNG states).
 """
 from __future__ import annotations
 
+import enum
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from zeroray.arena import FlatLayout
@@ -49,6 +50,11 @@ def _where(source: Optional[str]) -> str:
     return source if source.endswith(MANIFEST_NAME) else f"{source.rstrip('/')}/{MANIFEST_NAME}"
 
 
+class FileKind(enum.Enum):
+    SHARD = "shard"  # one rank's sharded and per-rank tensors
+    EXTRA = "extra"  # tensors outside the flat layout (untrained buffers), written once
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """What a writer reports to the driver about one file it wrote (picklable, small).
@@ -61,7 +67,7 @@ class ShardInfo:
     bytes: int
     sha256: str
     rank: Optional[int] = None
-    kind: str = "shard"  # "shard" | "extra"
+    kind: FileKind = FileKind.SHARD
     tensors: Tuple[Tuple[str, str, Tuple[int, ...]], ...] = ()
     scalars: Optional[Dict[str, Any]] = None
 
@@ -92,6 +98,9 @@ class Manifest:
     created: float = field(default_factory=time.time)
     version: int = VERSION
     source: Optional[str] = field(default=None, compare=False)
+    # (Storage, step directory) it was read from (None for one built in memory): how loaders
+    # reach its files on the same storage, URI options kept. Not serialized.
+    location: Optional[Tuple[Any, str]] = field(default=None, compare=False, repr=False)
 
     # --- derived -------------------------------------------------------------------------
 
@@ -107,20 +116,15 @@ class Manifest:
         """Per-rank tensors that are not sharded (taken from one source rank when resharding)."""
         return [k for k, v in self.tensors.items() if not v["sharded"]]
 
-    @property
-    def location(self):
-        """(Storage, step directory) this manifest was read from (None for one built in memory):
-        how loaders reach its files on the same storage."""
-        return getattr(self, "_location", None)
-
     def files(self) -> List[FileEntry]:
         return list(self.shards) + ([self.extra_tensors] if self.extra_tensors else [])
 
     # --- (de)serialization -----------------------------------------------------------------
 
     def to_dict(self) -> Dict[str, Any]:
-        d = asdict(self)
+        d = asdict(replace(self, location=None))  # asdict would deep-copy the storage
         d.pop("source")
+        d.pop("location")
         return {"format": FORMAT, **d}
 
     def to_json(self) -> str:
@@ -220,5 +224,5 @@ def read_manifest(storage, step_dir: str) -> Manifest:
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{where}: not UTF-8 text; the manifest is damaged") from e
     m = Manifest.from_json(text, source=storage.display(step_dir))
-    m._location = (storage, step_dir)  # how loaders reach the files (keeps URI options)
+    m.location = (storage, step_dir)
     return m

@@ -31,7 +31,7 @@ import torch
 from zeroray.arena import FlatLayout
 from zeroray.checkpoint.errors import CheckpointError
 from zeroray.checkpoint.filesystem import PathLike, Storage, is_temp_name, resolve, same_kind
-from zeroray.checkpoint.manifest import (EXTRA_NAME, MANIFEST_NAME, FileEntry, Manifest, ShardInfo,
+from zeroray.checkpoint.manifest import (EXTRA_NAME, MANIFEST_NAME, FileEntry, FileKind, Manifest, ShardInfo,
                                          parse_step_dir, read_manifest, shard_name, step_dir_name,
                                          write_manifest)
 from zeroray.checkpoint.tensorfile import TensorSpec, dtype_code, write_tensors
@@ -108,7 +108,7 @@ def write_shard(root: PathLike, step: int, rank: int, tensors: Mapping[str, Any]
     nbytes, sha, described = _write_file(
         storage, storage.join(step_dir, shard_name(rank)), tensors,
         {"format": "pt", "zeroray.step": str(step), "zeroray.rank": str(rank)})
-    return ShardInfo(shard_name(rank), nbytes, sha, rank=rank, kind="shard", tensors=described,
+    return ShardInfo(shard_name(rank), nbytes, sha, rank=rank, kind=FileKind.SHARD, tensors=described,
                      scalars=scalars)
 
 
@@ -121,7 +121,7 @@ def write_extra(root: PathLike, step: int, tensors: Mapping[str, torch.Tensor]) 
     storage, step_dir = _open_step_dir(root, step)
     nbytes, sha, described = _write_file(storage, storage.join(step_dir, EXTRA_NAME), tensors,
                                          {"format": "pt", "zeroray.step": str(step)})
-    return ShardInfo(EXTRA_NAME, nbytes, sha, rank=None, kind="extra", tensors=described)
+    return ShardInfo(EXTRA_NAME, nbytes, sha, rank=None, kind=FileKind.EXTRA, tensors=described)
 
 
 # --- commit (runs on the driver) -------------------------------------------------------------
@@ -167,8 +167,8 @@ def commit(root: PathLike, step: int, manifest_fields: Mapping[str, Any],
         raise ValueError(f"keep={keep!r} is invalid: it must be an integer >= 1 or None (keep all)")
     layout = manifest_fields["layout"]
     layout = layout if isinstance(layout, FlatLayout) else FlatLayout.from_dict(layout)
-    shards = sorted((i for i in shard_infos if i.kind == "shard"), key=lambda i: i.rank)
-    extras = [i for i in shard_infos if i.kind == "extra"]
+    shards = sorted((i for i in shard_infos if i.kind is FileKind.SHARD), key=lambda i: i.rank)
+    extras = [i for i in shard_infos if i.kind is FileKind.EXTRA]
     world_size = layout.world_size
     ranks = [i.rank for i in shards]
     if ranks != list(range(world_size)):

@@ -42,6 +42,7 @@ import torch
 from zeroray.arena import FlatLayout
 from zeroray.comm.bucket_plan import Cut, Piece, Timeline, pack
 from zeroray.comm.group import Channel, Group
+from zeroray.stage import ReduceMode
 
 
 @dataclass
@@ -67,10 +68,10 @@ class GradBuckets:
     MAX_INFLIGHT = 2  # reductions in flight before a new bucket waits for the oldest (module docstring)
 
     def __init__(self, layout: FlatLayout, group: Group, target: torch.Tensor, *,
-                 mode: str, bucket_bytes: int, dtype: torch.dtype, unit_order: Sequence[int]) -> None:
-        assert mode in ("reduce_scatter", "all_reduce")
+                 mode: ReduceMode, bucket_bytes: int, dtype: torch.dtype, unit_order: Sequence[int]) -> None:
+        assert isinstance(mode, ReduceMode), mode
         self.layout, self.group, self.target, self.mode, self.dtype = layout, group, target, mode, dtype
-        self.rows = group.world_size if mode == "reduce_scatter" else 1
+        self.rows = group.world_size if mode is ReduceMode.REDUCE_SCATTER else 1
         self.unit_order = list(unit_order)
         self.unit_columns = {u.index: self._row(u)[0] for u in layout.units}
         self.column_bytes = self.rows * torch.tensor([], dtype=dtype).element_size()
@@ -90,7 +91,7 @@ class GradBuckets:
 
     def _row(self, unit) -> Tuple[int, int]:
         """(row_numel, target offset) of a unit in this mode."""
-        if self.mode == "reduce_scatter":
+        if self.mode is ReduceMode.REDUCE_SCATTER:
             return unit.shard_numel, unit.shard_offset
         return unit.padded, unit.full_offset
 
@@ -160,7 +161,7 @@ class GradBuckets:
         else:
             inp = torch.empty(self.rows * self._buf_numel, dtype=self.dtype, device=self.target.device)
             # reduce-scatter: the output, then the group's scratch (received rows on gloo)
-            out = inp[:self._buf_numel] if self.mode == "all_reduce" else torch.empty(
+            out = inp[:self._buf_numel] if self.mode is ReduceMode.ALL_REDUCE else torch.empty(
                 self._out_numel(), dtype=self.dtype, device=self.target.device)
             self.pool_size += 1
         rows = self.buckets[bucket].row_numel
@@ -213,7 +214,7 @@ class GradBuckets:
             b = self._next_launch
             inp, out = self._acquire(b)
             rows = self.buckets[b].row_numel
-            if self.mode == "reduce_scatter":
+            if self.mode is ReduceMode.REDUCE_SCATTER:
                 handle = self.group.reduce_scatter(out[:rows], inp[:self.rows * rows], async_op=True,
                                                    scratch=out[self._buf_numel:], channel=Channel.REDUCE)
             else:
@@ -276,7 +277,7 @@ class GradBuckets:
 
     def buffer_bytes(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        per = self.rows * self._buf_numel + (0 if self.mode == "all_reduce" else self._out_numel())
+        per = self.rows * self._buf_numel + (0 if self.mode is ReduceMode.ALL_REDUCE else self._out_numel())
         return self.pool_size * per * elem
 
     def _out_numel(self) -> int:
