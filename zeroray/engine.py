@@ -111,7 +111,8 @@ class Engine:
         self._build_optimizer(optimizer, named, param_groups, scheduler)
         self.reducer = GradBuckets(self.layout, group, self.grad, mode=self.policy.reduce,
                                    bucket_bytes=zero.base_bucket_bytes, dtype=self.reduce_dtype,
-                                   unit_order=default_unit_order(self.layout))
+                                   unit_order=default_unit_order(self.layout),
+                                   timed=zero.bucket_bytes == "auto" or zero.bucket_timeout_ms is not None)
         self.reducer.wait = self.waiter
         self.bucket_tuner = self._build_bucket_tuner()
         self._bucket_stats = {**self.reducer.take_stats(), "bucket_bytes": self.reducer.bucket_bytes}

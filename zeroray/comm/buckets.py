@@ -13,10 +13,11 @@ Gradients arrive one parameter at a time (a post-accumulate-grad hook), are copi
 their bucket's buffer and dropped. A bucket whose parameters have all arrived is launched
 asynchronously, but only in plan order (see [Note: collective order] in group.py), so the
 reduction of one bucket overlaps the rest of backward. Buffers come from a small pool that
-is allocated once and reused every step; with ``MAX_INFLIGHT`` reductions in flight, a bucket
+is allocated once and reused every step; with ``max_inflight`` reductions in flight, a bucket
 waits for the oldest to finish rather than allocating a buffer (unless every buffer is still
-being filled: arrival order far from the plan). Two in flight, not one: with small buckets
-(the flush timeout) a bucket's first gradient would otherwise wait for the reduction of the
+being filled: arrival order far from the plan). One in flight for full-size buckets, which
+keeps the pool at the paper's few C_B; two where buckets are cut small by the flush timeout
+(``timed=True``): a bucket's first gradient would otherwise wait for the reduction of the
 bucket just launched, in the middle of backward.
 
 In a negotiated stage-3 step (negotiate.py) over a backend without independent channels
@@ -65,14 +66,14 @@ class _Copy:
 class GradBuckets:
     """Reduce gradients into ``target`` (an fp32 1D tensor: grad shard, or full grads)."""
 
-    MAX_INFLIGHT = 2  # reductions in flight before a new bucket waits for the oldest (module docstring)
-
     def __init__(self, layout: FlatLayout, group: Group, target: torch.Tensor, *,
-                 mode: ReduceMode, bucket_bytes: int, dtype: torch.dtype, unit_order: Sequence[int]) -> None:
+                 mode: ReduceMode, bucket_bytes: int, dtype: torch.dtype, unit_order: Sequence[int],
+                 timed: bool = False) -> None:
         assert isinstance(mode, ReduceMode), mode
         self.layout, self.group, self.target, self.mode, self.dtype = layout, group, target, mode, dtype
         self.rows = group.world_size if mode is ReduceMode.REDUCE_SCATTER else 1
         self.unit_order = list(unit_order)
+        self.max_inflight = 2 if timed else 1  # reductions in flight before a bucket waits (module docstring)
         self.unit_columns = {u.index: self._row(u)[0] for u in layout.units}
         self.column_bytes = self.rows * torch.tensor([], dtype=dtype).element_size()
         self._free: List[Tuple[torch.Tensor, torch.Tensor]] = []
@@ -154,7 +155,7 @@ class GradBuckets:
     def _acquire(self, bucket: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if bucket in self._bufs:
             return self._bufs[bucket]
-        if not self._free and len(self._inflight) >= self.MAX_INFLIGHT:
+        if not self._free and len(self._inflight) >= self.max_inflight:
             self._complete_oldest()
         if self._free:
             inp, out = self._free.pop()
