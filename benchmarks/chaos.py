@@ -476,16 +476,10 @@ def main(argv=None) -> int:
 
         traceback.print_exc()
     finally:
-        try:
-            import ray
-
-            if ray.is_initialized():
-                ray.shutdown()
-        finally:
-            problem = cluster.stop()
-            if problem:
-                say(problem)
-                ok = False
+        problem = cluster.close()
+        if problem:
+            say(problem)
+            ok = False
     report["ok"] = ok
     if ok and control:
         shutil.rmtree(control, ignore_errors=True)  # kept for the post-mortem otherwise

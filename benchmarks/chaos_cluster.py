@@ -28,8 +28,10 @@ FAST_FAILURE_DETECTION = {"RAY_health_check_initial_delay_ms": "1000", "RAY_heal
                           "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3"}
 
 
-def _free_port(taken: set) -> int:
-    """A free port below Linux's ephemeral range, where Ray binds its own ports while starting."""
+def free_cluster_port(taken: set) -> int:
+    """A free port below Linux's ephemeral range (32768-60999): Ray binds its other ports
+    (node manager, object manager, agents, workers) to port 0, i.e. in that range, while
+    the cluster starts, so a port picked there could be taken before the dashboard binds."""
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 32000)
@@ -64,7 +66,7 @@ class LocalCluster:
     def start(cls, num_worker_nodes: int = 2, node_cpus: int = 2) -> "LocalCluster":
         cluster_dir = tempfile.mkdtemp(prefix="zr-chaos-", dir="/tmp")  # short: Ray's socket paths live under it
         taken: set = set()
-        cluster = cls(cluster_dir, _free_port(taken), _free_port(taken), owned=True)
+        cluster = cls(cluster_dir, free_cluster_port(taken), free_cluster_port(taken), owned=True)
         cluster.env.update(ZR_NUM_WORKER_NODES=str(num_worker_nodes), ZR_NODE_CPUS=str(node_cpus))
         out = cluster._run("up", timeout=600)
         if out.returncode != 0:
@@ -123,6 +125,17 @@ class LocalCluster:
             shutil.rmtree(self.dir, ignore_errors=True)
             return None
         return f"local-cluster.sh down: {out.stdout[-2000:]}{out.stderr[-2000:]} (state kept in {self.dir})"
+
+    def close(self) -> Optional[str]:
+        """End this driver's Ray connection, then stop the cluster; the script's complaint, if any."""
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            problem = self.stop()
+        return problem
 
 
 def wait_until(condition, timeout_s: float, poll_s: float = 0.1) -> bool:

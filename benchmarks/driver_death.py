@@ -162,16 +162,10 @@ def parent(args) -> int:
     finally:
         if child_proc is not None and child_proc.poll() is None:
             child_proc.kill()
-        try:
-            import ray
-
-            if ray.is_initialized():
-                ray.shutdown()
-        finally:
-            problem = cluster.stop()
-            if problem:
-                print(problem, flush=True)
-                ok = False
+        problem = cluster.close()
+        if problem:
+            print(problem, flush=True)
+            ok = False
     report["ok"] = ok
     if ok and control:
         shutil.rmtree(control, ignore_errors=True)  # kept for the post-mortem otherwise

@@ -44,7 +44,7 @@ from zeroray.activations import ActivationTracker, apply_checkpointing, checkpoi
 from zeroray.arena import FlatLayout
 from zeroray.batch import (batch_size, batch_structure, describe_structure, split_batch,  # noqa: F401 (re-exported)
                            structure_changed, to_device)
-from zeroray.comm.bucket_tuner import BucketTuner
+from zeroray.comm.bucket_learning import BucketLearning
 from zeroray.comm.buckets import GradBuckets, default_unit_order
 from zeroray.comm.gather import UnitGatherer
 from zeroray.comm.group import Group
@@ -114,8 +114,7 @@ class Engine:
                                    unit_order=default_unit_order(self.layout),
                                    timed=zero.bucket_bytes == "auto" or zero.bucket_timeout_ms is not None)
         self.reducer.wait = self.waiter
-        self.bucket_tuner = self._build_bucket_tuner()
-        self._bucket_stats = {**self.reducer.take_stats(), "bucket_bytes": self.reducer.bucket_bytes}
+        self.bucket_learning = BucketLearning(self.reducer, zero.bucket_timeout_ms, zero.bucket_bytes == "auto")
         self._register_grad_hooks(named)
         self._build_activations()
         self.scaler = (LossScaler(zero.initial_loss_scale, zero.loss_scale_growth_factor,
@@ -443,7 +442,7 @@ class Engine:
         comm/bucket_plan.py). ``sumsq`` and ``loss_sum`` are None when this rank's step failed.
         Reading it is the step's one host synchronisation."""
         W = self.world_size
-        arrivals = self._bucket_arrivals()
+        arrivals = self.bucket_learning.arrivals()
         status = torch.zeros(1 + 5 * W + len(arrivals), dtype=torch.float64, device=self.device)
         # Stage 0 ranks all hold the same full reduced gradient: count its norm once.
         if sumsq is not None and (self.policy.keeps_param_shard or self.rank == 0):
@@ -463,53 +462,14 @@ class Engine:
         if self.coordinator is not None:
             self.coordinator.end_step(failed=bool(failed), any_exit=any(p[1] for p in per_rank),
                                       agreed=len({(p[2], p[3]) for p in per_rank}) == 1)
-        self._learn_buckets(values[1 + 5 * W:], learn=not failed and not any(p[1] for p in per_rank))
+        self.bucket_learning.after_step(self.step_count + 1, values[1 + 5 * W:], W,
+                                        learn=not failed and not any(p[1] for p in per_rank))
         total = values[0]
         return failed, (math.sqrt(total) if math.isfinite(total) else float("inf")), per_rank[self.rank][4]
 
-    # --- gradient buckets: the flush timeout and "auto" size ([Note: bucket timeout]) -------
-
-    def _build_bucket_tuner(self) -> Optional[BucketTuner]:
-        auto = self.zero.bucket_bytes == "auto"
-        if self.zero.bucket_timeout_ms is None and not auto:
-            return None  # fixed buckets: nothing to learn, the status all-reduce stays as small as it was
-        r = self.reducer
-        return BucketTuner(r.unit_order, r.unit_columns, r.column_bytes, capacity_bytes=r.bucket_bytes,
-                           timeout_ms=self.zero.bucket_timeout_ms, auto=auto)
-
-    def _bucket_arrivals(self) -> List[float]:
-        """This rank's share of the status all-reduce for the tuner (nothing without one)."""
-        tuner, timeline = self.bucket_tuner, self.reducer.last_timeline
-        if tuner is None:
-            return []
-        return tuner.encode(timeline) if timeline is not None else [0.0] * tuner.vector_numel()
-
-    def _learn_buckets(self, summed: List[float], learn: bool) -> None:
-        """After the status all-reduce, on every rank alike: keep this step's bucket counts, and
-        install the plan the tuner draws from the agreed arrivals (``learn``: not from a failed
-        step, nor a negotiated stage-3 step, whose ranks ran different modules)."""
-        self._bucket_stats = {**self.reducer.take_stats(), "bucket_bytes": self.reducer.bucket_bytes}
-        tuner = self.bucket_tuner
-        if tuner is None:
-            return
-        plan = tuner.observe(self.step_count + 1, tuner.decode_mean(summed, self.world_size), learn)
-        if plan is not None:
-            self.reducer.replan(plan.capacity_bytes, plan.cuts)
-
     def bucket_stats(self) -> Dict[str, Any]:
-        """The gradient buckets of the last step: how many were launched full, by the flush
-        timeout, and at the end of backward; the mean wait of a bucket's first gradient (arrival
-        to launch, this rank); the time this rank blocked on reductions (their share of
-        ``exposed_s``); their size; with "auto", the size changes so far as (step after which it
-        changed, old, new)."""
-        s, tuner = self._bucket_stats, self.bucket_tuner
-        stats = {"buckets_full": s["full"], "buckets_timeout": s["timeout"], "buckets_end": s["end"],
-                 "bucket_first_wait_ms": s["first_wait_ms"], "bucket_blocked_ms": s["blocked_ms"],
-                 "bucket_bytes": s["bucket_bytes"],
-                 "bucket_timeout_ms": tuner.timeout_ms if tuner is not None else None}
-        if tuner is not None and tuner.auto:
-            stats["bucket_size_changes"] = [list(change) for change in tuner.changes]
-        return stats
+        """The gradient buckets of the last step (see BucketLearning.stats)."""
+        return self.bucket_learning.stats()
 
     def _drop_grads(self) -> None:
         self.grad.zero_()

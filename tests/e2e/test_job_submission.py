@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +25,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from benchmarks.chaos_cluster import free_cluster_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO_ROOT / "cluster" / "local-cluster.sh"
@@ -53,26 +53,6 @@ pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local-cluster.sh needs Linux"),
     pytest.mark.skipif(shutil.which("setsid") is None, reason="local-cluster.sh needs setsid"),
 ]
-
-
-def _free_port(taken: set[int]) -> int:
-    """A free port below Linux's ephemeral range (32768-60999): Ray binds its other ports
-    (node manager, object manager, agents, workers) to port 0, i.e. in that range, while
-    the cluster starts, so a port picked there could be taken before the dashboard binds."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        if port in taken:
-            continue
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        taken.add(port)
-        return port
-    raise RuntimeError("no free port in 20000-32000")
 
 
 def _cluster_env(cluster_dir: str, head_port: int, dashboard_port: int) -> dict[str, str]:
@@ -153,7 +133,7 @@ def test_train_gpt_job_spreads_workers_over_nodes():
     # Short path on purpose: Ray's unix socket paths live under it (107-byte limit).
     cluster_dir = tempfile.mkdtemp(prefix="zr-e2e-", dir="/tmp")
     taken: set[int] = set()
-    head_port, dashboard_port = _free_port(taken), _free_port(taken)
+    head_port, dashboard_port = free_cluster_port(taken), free_cluster_port(taken)
     env = _cluster_env(cluster_dir, head_port, dashboard_port)
     client_env = _client_env(env, cluster_dir)
     address = f"http://127.0.0.1:{dashboard_port}"
