@@ -71,7 +71,7 @@ def main() -> int:
     total_restore_s = time.perf_counter() - t0
     # Time the load alone (the restore above includes starting the actors).
     t0 = time.perf_counter()
-    restored._load(path)
+    restored.controller.load(path)
     load_s = time.perf_counter() - t0
     restored.shutdown()
     disk = dd_mb_s(args.dir, nbytes)
