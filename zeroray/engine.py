@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from zeroray import step_status
 from zeroray.access import ParameterAccess
 from zeroray.activations import ActivationTracker, apply_checkpointing, checkpoint_targets
 from zeroray.arena import FlatLayout
@@ -433,39 +434,24 @@ class Engine:
 
     def _status(self, sumsq: Optional[torch.Tensor], loss_sum: Optional[torch.Tensor]
                 ) -> Tuple[List[int], float, float]:
-        """The step's status all-reduce: (ranks whose step failed, global gradient norm, this
-        rank's summed micro-batch losses).
-
-        One float64 vector: [sum of squared gradient norms, then per rank: failed, left the
-        plan, events recorded, their digest, its loss]; each rank fills its own slots; then, with a
-        bucket tuner, the sum of the ranks' gradient arrival timelines ([Note: bucket timeout] in
-        comm/bucket_plan.py). ``sumsq`` and ``loss_sum`` are None when this rank's step failed.
-        Reading it is the step's one host synchronisation."""
+        """The step's status all-reduce ([Note: step status] in step_status.py): (ranks whose step
+        failed, global gradient norm, this rank's summed micro-batch losses). ``sumsq`` and
+        ``loss_sum`` are None when this rank's step failed."""
         W = self.world_size
-        arrivals = self.bucket_learning.arrivals()
-        status = torch.zeros(1 + 5 * W + len(arrivals), dtype=torch.float64, device=self.device)
+        trace = self.coordinator.status() if self.coordinator is not None else (0.0, 0.0, 0.0)
         # Stage 0 ranks all hold the same full reduced gradient: count its norm once.
-        if sumsq is not None and (self.policy.keeps_param_shard or self.rank == 0):
-            status[0] = sumsq.double()
-        exited, length, dig = self.coordinator.status() if self.coordinator is not None else (0.0, 0.0, 0.0)
-        mine = status[1 + 5 * self.rank:6 + 5 * self.rank]
-        mine[:4] = torch.tensor([0.0 if sumsq is not None else 1.0, exited, length, dig], dtype=torch.float64)
-        if loss_sum is not None:
-            mine[4] = loss_sum.double()
-        if arrivals:
-            status[1 + 5 * W:] = torch.tensor(arrivals, dtype=torch.float64)
+        counted = sumsq if self.policy.keeps_param_shard or self.rank == 0 else None
+        vec = step_status.encode(W, self.rank, counted, loss_sum, trace, self.bucket_learning.arrivals(),
+                                 self.device)
         if W > 1:
-            self.waiter.until_complete(self.group.all_reduce(status, async_op=True, control=True))
-        values = status.tolist()
-        per_rank = [values[1 + 5 * r:6 + 5 * r] for r in range(W)]
-        failed = [r for r in range(W) if per_rank[r][0]]
+            self.waiter.until_complete(self.group.all_reduce(vec, async_op=True, control=True))
+        status = step_status.decode(vec.tolist(), W)
+        failed = status.failed
         if self.coordinator is not None:
-            self.coordinator.end_step(failed=bool(failed), any_exit=any(p[1] for p in per_rank),
-                                      agreed=len({(p[2], p[3]) for p in per_rank}) == 1)
-        self.bucket_learning.after_step(self.step_count + 1, values[1 + 5 * W:], W,
-                                        learn=not failed and not any(p[1] for p in per_rank))
-        total = values[0]
-        return failed, (math.sqrt(total) if math.isfinite(total) else float("inf")), per_rank[self.rank][4]
+            self.coordinator.end_step(failed=bool(failed), any_exit=status.any_exit, agreed=status.agreed)
+        self.bucket_learning.after_step(self.step_count + 1, status.extra, W,
+                                        learn=not failed and not status.any_exit)
+        return failed, status.norm, status.ranks[self.rank].loss
 
     def bucket_stats(self) -> Dict[str, Any]:
         """The gradient buckets of the last step (see BucketLearning.stats)."""
