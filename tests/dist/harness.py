@@ -70,6 +70,24 @@ def _run_one(rank, world, port, spec, out_file):
     group.close()
 
 
+def spawn_ranks(target, world, args, out_dir, join_s):
+    """Run ``target(rank, *args, out_dir)`` in ``world`` spawned processes and wait for them. A
+    rank that fails writes its traceback to ``out_dir/error<rank>.txt`` (as ``_worker`` does);
+    any such file or non-zero exit raises, with every traceback, after the others are killed."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, *args, out_dir)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(join_s)
+    errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error")]
+    if errors or any(p.exitcode != 0 for p in procs):
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        raise RuntimeError(f"a rank failed (exit codes {[p.exitcode for p in procs]}):\n" + "\n".join(errors))
+
+
 def run_engine(world, **spec):
     """Train on ``spec['batches']`` (global batches) with ``world`` ranks; returns rank results and
     the consolidated fp32 parameters (state_dict names, tied aliases included)."""
@@ -81,19 +99,8 @@ def run_engines(world, specs):
     A spec with ``"world": w`` (w <= world) runs on ranks 0..w-1 only, so one process set can
     serve several world sizes."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.get_context("spawn")
         ports = [free_port() for _ in specs]
-        procs = [ctx.Process(target=_worker, args=(r, world, ports, cloudpickle.dumps(specs), out_dir)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(300)
-        errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error")]
-        if errors or any(p.exitcode != 0 for p in procs):
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            raise RuntimeError(f"engine worker failed (exit codes {[p.exitcode for p in procs]}):\n" + "\n".join(errors))
+        spawn_ranks(_worker, world, (world, ports, cloudpickle.dumps(specs)), out_dir, join_s=300)
         out = []
         for index in range(len(specs)):
             results = [torch.load(os.path.join(out_dir, f"spec{index}_rank{r}.pt"), weights_only=False)

@@ -5,8 +5,8 @@ import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
 
+from tests.dist.harness import spawn_ranks
 from zeroray.comm.group import TorchGroup, free_port, make_torch_group
 
 
@@ -63,14 +63,7 @@ def _rank(rank, world, port, out_dir):
 
 def _run(world):
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx, port = mp.get_context("spawn"), free_port()
-        procs = [ctx.Process(target=_rank, args=(r, world, port, out_dir)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        errors = [open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir) if f.startswith("error")]
-        assert not errors and all(p.exitcode == 0 for p in procs), (errors, [p.exitcode for p in procs])
+        spawn_ranks(_rank, world, (world, free_port()), out_dir, join_s=120)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 

@@ -13,8 +13,8 @@ import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
 
+from tests.dist.harness import spawn_ranks
 from zeroray.comm.group import free_port, make_torch_group
 
 TIMEOUT_S = 2.0
@@ -54,15 +54,8 @@ def _rank(rank, ports, out_dir):
 
 def test_close_joins_every_watcher_within_the_timeout():
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.get_context("spawn")
         ports = {"idle": free_port(), "busy": free_port()}
-        procs = [ctx.Process(target=_rank, args=(r, ports, out_dir)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        errors = [open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir) if f.startswith("error")]
-        assert not errors and all(p.exitcode == 0 for p in procs), (errors, [p.exitcode for p in procs])
+        spawn_ranks(_rank, 2, (ports,), out_dir, join_s=120)
         results = torch.load(os.path.join(out_dir, "rank0.pt"))
     idle, busy = results["idle"], results["busy"]
     print(f"\n  close, idle: {idle[1] * 1e3:.1f} ms; with 3 receives in flight: {busy[1]:.2f} s "
