@@ -163,6 +163,12 @@ class ZeroConfig:
         bound of coalesced gathers, which "auto" leaves alone (see [Note: bucket sizing] in comm/bucket_plan.py)."""
         return DEFAULT_BUCKET_BYTES if self.bucket_bytes == "auto" else self.bucket_bytes
 
+    @property
+    def buckets_planned(self) -> bool:
+        """Whether gradient buckets are planned from measured steps (a flush timeout or "auto"),
+        rather than fixed ([Note: bucket timeout] in comm/bucket_plan.py)."""
+        return self.bucket_bytes == "auto" or self.bucket_timeout_ms is not None
+
 
 @dataclass(frozen=True, kw_only=True)
 class ScalingConfig:

@@ -113,9 +113,9 @@ class Engine:
         self.reducer = GradBuckets(self.layout, group, self.grad, mode=self.policy.reduce,
                                    bucket_bytes=zero.base_bucket_bytes, dtype=self.reduce_dtype,
                                    unit_order=default_unit_order(self.layout),
-                                   timed=zero.bucket_bytes == "auto" or zero.bucket_timeout_ms is not None)
+                                   timed=zero.buckets_planned)
         self.reducer.wait = self.waiter
-        self.bucket_learning = BucketLearning(self.reducer, zero.bucket_timeout_ms, zero.bucket_bytes == "auto")
+        self.bucket_learning = BucketLearning(self.reducer, zero)
         self._register_grad_hooks(named)
         self._build_activations()
         self.scaler = (LossScaler(zero.initial_loss_scale, zero.loss_scale_growth_factor,

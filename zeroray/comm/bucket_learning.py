@@ -12,15 +12,17 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from zeroray.comm.bucket_tuner import BucketTuner
 from zeroray.comm.buckets import GradBuckets
+from zeroray.config import ZeroConfig
 
 
 class BucketLearning:
-    def __init__(self, reducer: GradBuckets, timeout_ms: Optional[float], auto: bool) -> None:
+    def __init__(self, reducer: GradBuckets, zero: ZeroConfig) -> None:
         self.reducer = reducer
         self.tuner: Optional[BucketTuner] = None
-        if timeout_ms is not None or auto:
+        if zero.buckets_planned:
             self.tuner = BucketTuner(reducer.unit_order, reducer.unit_columns, reducer.column_bytes,
-                                     capacity_bytes=reducer.bucket_bytes, timeout_ms=timeout_ms, auto=auto)
+                                     capacity_bytes=reducer.bucket_bytes, timeout_ms=zero.bucket_timeout_ms,
+                                     auto=zero.bucket_bytes == "auto")
         self._last = self._take()
 
     def _take(self) -> Dict[str, Any]:
