@@ -3,7 +3,7 @@
     python benchmarks/compare.py [--large] [--model gpt|mha|hf-gpt2] [--steps N] [--rounds R] [--workers 2]
         [--only floor,ddp,fsdp2,zr0,zr1,zr2,zr3,ds1,ds2,ds3] [--json out.json] [--zr-prefetch on|off]
         [--zr-buckets fixed,timeout,auto] [--zr-bucket-timeout-ms T] [--zr-bucket-timeout-ms-auto T]
-        [--zr-interleave]
+        [--zr-interleave] [--interleave]
 
 Every row trains the same model (``--model``: examples/gpt.py's GPT, or one zeroray did not
 write, see bench_models.py) from the same initial weights on the same
@@ -25,6 +25,9 @@ the table's note gives the median exposed communication over the timed steps and
 buckets of the last step; the size "auto" settled on, and after which step, follow the table.
 ``--zr-interleave`` builds every zeroray row's trainer at once and steps them in turn, so
 that rows compared with each other see the same load (the rows are otherwise minutes apart).
+``--interleave`` does that for every row, the torch and DeepSpeed peers included: all rows
+alive at once, one step of each in turn, the order rotating each step ([Note: interleaved
+rows] in ``run_side_by_side``); with ``--rounds R`` each round builds the rows afresh.
 """
 from __future__ import annotations
 
@@ -78,6 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zr-interleave", action="store_true",
                    help="build every zeroray row's trainer at once and step them in turn (row A's step 1, row B's "
                         "step 1, ...), so the machine's drift slows them alike")
+    p.add_argument("--interleave", action="store_true",
+                   help="every row, torch and DeepSpeed peers included, alive at once and stepping in turns: "
+                        "step i of every row, then step i+1, the order rotating by one row each step (see "
+                        "[Note: interleaved rows])")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a torch/DeepSpeed row is killed")
     # Overrides for quick checks; the defaults are the benchmark.
     p.add_argument("--d-model", type=int, help=argparse.SUPPRESS)
@@ -160,6 +167,8 @@ def bucket_config(row: str, args) -> dict:
 
 
 def run_all(spec: BenchSpec, args) -> dict:
+    if args.interleave:
+        return run_side_by_side(spec, args)
     records = {}
     zr_rows = [r for r in args.rows if r.startswith("zr")]
     ds_rows = [r for r in args.rows if r.startswith("ds")]
@@ -220,6 +229,80 @@ def run_all(spec: BenchSpec, args) -> dict:
         if session is not None:
             session.close()
     return records
+
+
+def run_side_by_side(spec: BenchSpec, args) -> dict:
+    """One round of ``--interleave``.
+
+    [Note: interleaved rows]
+    This machine's speed drifts 10-20% over minutes, so rows run one after another (minutes
+    apart) differ by more than what is measured. Here every row is built first (the torch and
+    DeepSpeed ranks in their own processes, held at a pipe before each step: peers.GatedRow;
+    the zeroray trainers on one Ray), then step i of every row runs, one row at a time, then
+    step i+1, with the order rotated by one row each step so that no row always follows the
+    same one. A row steps while every other row waits blocked, so it has the cores to itself;
+    its neighbours in time are seconds away, not minutes, so drift slows every row alike, and
+    the per-step ratios are taken at the same moment. What the rows share: Ray's idle daemons
+    stay up through the torch rows' steps too (the zeroray rows need them), which costs the
+    peers, not zeroray; peak RSS is still per process.
+    """
+    import peers
+    from common import global_batches
+
+    records: dict = {}
+    rows = list(args.rows)
+    ds_rows = [r for r in rows if r.startswith("ds")]
+    if ds_rows:
+        missing = peers.deepspeed_available()
+        if missing:
+            for r in ds_rows:
+                records[r] = {"status": "skipped", "note": f"deepspeed unavailable ({missing})"}
+            rows = [r for r in rows if r not in ds_rows]
+    zr_rows = [r for r in rows if r.startswith("zr")]
+    live: dict = {}
+    session = None
+    load_before, t0 = os.getloadavg()[0], time.perf_counter()
+    try:
+        if zr_rows:
+            from zr_run import ZeroraySession
+
+            session = ZeroraySession()
+            live.update(session.open_runs({r: (int(r[2]), bucket_config(r, args)) for r in zr_rows}, spec,
+                                          prefetch=args.zr_prefetch == "on", comm_every_step=args.bucket_rows))
+        for row in rows:
+            if row in zr_rows:
+                continue
+            nprocs = 1 if row == "floor" else spec.num_workers
+            extra = {"stage": int(row[2:])} if row.startswith("ds") else None
+            live[row] = peers.GatedRow("ds" if row.startswith("ds") else row, spec, nprocs=nprocs,
+                                       timeout_s=args.timeout, extra=extra)
+        log(f"[{','.join(rows)}] built side by side; stepping in turns ...")
+        for i, batch in enumerate(global_batches(spec)):
+            order = rows[i % len(rows):] + rows[:i % len(rows)]
+            for row in order:
+                if row not in live:
+                    continue  # failed earlier
+                try:
+                    live[row].step(batch) if row in zr_rows else live[row].step()
+                except Exception as e:
+                    traceback.print_exc()
+                    records[row] = {"status": "failed", "error": str(e),
+                                    "note": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+                    live.pop(row).close()
+        for row in rows:
+            if row not in live:
+                continue
+            rec = live[row].record() if row in zr_rows else summarise_ranks(live[row].finish())
+            rec.update(status="ok", wall_s=time.perf_counter() - t0, loadavg_1m=[load_before, os.getloadavg()[0]])
+            records[row] = rec
+            log(f"[{row}] median {median(rec['step_s'][spec.warmup_steps:]):.3f} s/step, "
+                f"losses {fmt_losses(rec['losses'])}")
+    finally:
+        for run in live.values():
+            run.close()
+        if session is not None:
+            session.close()
+    return {r: records[r] for r in args.rows if r in records}
 
 
 # --------------------------------------------------------------------------- derived numbers
@@ -463,6 +546,7 @@ def main(argv=None) -> int:
         "zr_bucket_timeout_ms": args.zr_bucket_timeout_ms,
         "zr_bucket_timeout_ms_auto": args.zr_bucket_timeout_ms_auto,
         "zr_interleave": args.zr_interleave,
+        "interleave": args.interleave,
         "environment": env,
         "rows": records,
         "rounds": args.rounds,

@@ -12,6 +12,7 @@ import inspect
 import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -43,26 +44,86 @@ def launch(row: str, spec: BenchSpec, *, nprocs: int, timeout_s: float, extra: O
         for p in procs:
             p.start()
         _wait(procs, out_dir, timeout_s)
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:  # only the processes this function started
-            p.kill()
-            p.join()
-        results = []
+        return _collect(procs, out_dir, timeout_s)
+
+
+class GatedRow:
+    """A row whose ranks are started now and take each step only when told (compare.py
+    ``--interleave``): every rank blocks on its pipe before each global batch, runs the step
+    when ``step()`` sends the word, and answers once it is done. Blocked ranks use no CPU, so
+    rows that live side by side and step in turns each see the machine alone, at the speed
+    it has at that moment."""
+
+    def __init__(self, row: str, spec: BenchSpec, *, nprocs: int, timeout_s: float,
+                 extra: Optional[dict] = None) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.row, self.timeout_s = row, timeout_s
+        self.out_dir = tempfile.mkdtemp(prefix=f"zr-bench-{row}-")
+        self.conns, self.procs = [], []
         for rank in range(nprocs):
-            path = os.path.join(out_dir, f"rank{rank}.json")
-            if os.path.exists(path):
-                with open(path) as f:
-                    results.append(json.load(f))
-        errors = [r["error"] for r in results if "error" in r]
-        if errors:
-            raise PeerFailed(errors[0])
-        dead = [rank for rank, p in enumerate(procs) if p not in hung and not os.path.exists(
-            os.path.join(out_dir, f"rank{rank}.json"))]
-        if dead:
-            raise PeerFailed(f"rank(s) {dead} died without a result, exit codes {[procs[r].exitcode for r in dead]}")
-        if hung:
-            raise PeerFailed(f"timed out after {timeout_s:.0f}s (raise --timeout)")
+            mine, theirs = ctx.Pipe()
+            self.conns.append(mine)
+            self.procs.append(ctx.Process(target=_rank_main, name=f"bench-{row}-{rank}",
+                                          args=(row, rank, nprocs, port, spec, extra or {}, self.out_dir, theirs)))
+        for p in self.procs:
+            p.start()
+
+    def step(self) -> None:
+        """One step on every rank; returns when every rank finished it."""
+        for conn in self.conns:
+            conn.send(True)
+        for rank, conn in enumerate(self.conns):
+            try:
+                if not conn.poll(self.timeout_s):
+                    raise PeerFailed(f"rank {rank}: no step done after {self.timeout_s:.0f}s (raise --timeout)")
+                conn.recv()
+            except (EOFError, OSError):
+                self.close()
+                results = _collect(self.procs, self.out_dir, self.timeout_s, check=False)
+                errors = [r["error"] for r in results if "error" in r]
+                raise PeerFailed(errors[0] if errors else f"rank {rank} exited during a step") from None
+
+    def finish(self) -> List[dict]:
+        """After the last step: each rank's result, rank order."""
+        _wait(self.procs, self.out_dir, self.timeout_s)
+        try:
+            return _collect(self.procs, self.out_dir, self.timeout_s)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for p in self.procs:  # only the processes this row started
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(self.out_dir, ignore_errors=True)
+
+
+def _collect(procs: list, out_dir: str, timeout_s: float, check: bool = True) -> List[dict]:
+    """Each rank's result file; raises (``check``) if a rank failed, died or hung."""
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:  # only the processes the caller started
+        p.kill()
+        p.join()
+    results = []
+    for rank in range(len(procs)):
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results.append(json.load(f))
+    if not check:
         return results
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise PeerFailed(errors[0])
+    dead = [rank for rank, p in enumerate(procs) if p not in hung and not os.path.exists(
+        os.path.join(out_dir, f"rank{rank}.json"))]
+    if dead:
+        raise PeerFailed(f"rank(s) {dead} died without a result, exit codes {[procs[r].exitcode for r in dead]}")
+    if hung:
+        raise PeerFailed(f"timed out after {timeout_s:.0f}s (raise --timeout)")
+    return results
 
 
 def _wait(procs: list, out_dir: str, timeout_s: float, grace_s: float = 15.0) -> None:
@@ -93,11 +154,12 @@ def _failed(proc, rank: int, out_dir: str) -> bool:
         return True
 
 
-def _rank_main(row: str, rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict, out_dir: str) -> None:
+def _rank_main(row: str, rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict, out_dir: str,
+               gate=None) -> None:
     add_import_paths()
     limit_threads(spec.threads)
     try:
-        result = _ROWS[row](rank, world_size, port, spec, extra)
+        result = _ROWS[row](rank, world_size, port, spec, {**extra, "gate": gate})
     except BaseException as e:  # reported to the parent, which prints it and goes on
         result = {"error": f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=-4)}"}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -105,8 +167,9 @@ def _rank_main(row: str, rank: int, world_size: int, port: int, spec: BenchSpec,
 
 
 def _train(model, optimizer, spec: BenchSpec, rank: int, *, step_fn: Optional[Callable] = None,
-           counter: Optional[CommCounter] = None) -> dict:
-    """The timed loop every peer shares. ``step_fn(batch) -> loss`` defaults to plain torch."""
+           counter: Optional[CommCounter] = None, gate=None) -> dict:
+    """The timed loop every peer shares. ``step_fn(batch) -> loss`` defaults to plain torch.
+    ``gate``: a pipe to the parent (GatedRow): wait for its word before each step, answer after."""
     from bench_models import lm_loss as gpt_loss
 
     def torch_step(batch):
@@ -122,9 +185,13 @@ def _train(model, optimizer, spec: BenchSpec, rank: int, *, step_fn: Optional[Ca
         batch = worker_slice(batch, rank, spec)
         if counter is not None:
             counter.reset()
+        if gate is not None:
+            gate.recv()
         clock.start()
         loss = step_fn(batch).detach().item()  # .item(): the step's work is done when we stop the clock
         clock.stop()
+        if gate is not None:
+            gate.send(loss)
         losses.append(loss)
         if counter is not None:
             comm = counter.report()  # the last step's, like zr.Trainer.comm_report()
@@ -147,7 +214,7 @@ def run_floor(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dic
     """One process, one worker's batch (rank 0's slice), no communication at all."""
     base_rss = current_rss_bytes()
     model = build_model(spec)
-    out = _train(model, _adamw(model.parameters(), spec), spec, rank=0)
+    out = _train(model, _adamw(model.parameters(), spec), spec, rank=0, gate=extra.get("gate"))
     return {**out, "base_rss_bytes": base_rss}
 
 
@@ -171,7 +238,7 @@ def run_ddp(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict)
 
     model.register_comm_hook(None, counting_allreduce_hook)
     try:
-        out = _train(model, _adamw(model.parameters(), spec), spec, rank, counter=counter)
+        out = _train(model, _adamw(model.parameters(), spec), spec, rank, counter=counter, gate=extra.get("gate"))
     finally:
         dist.destroy_process_group()
     return {**out, "base_rss_bytes": base_rss}
@@ -191,7 +258,7 @@ def run_fsdp2(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dic
         fully_shard(block)
     fully_shard(model)
     try:
-        out = _train(model, _adamw(model.parameters(), spec), spec, rank, counter=counter)
+        out = _train(model, _adamw(model.parameters(), spec), spec, rank, counter=counter, gate=extra.get("gate"))
     finally:
         dist.destroy_process_group()
     return {**out, "base_rss_bytes": base_rss}
@@ -230,7 +297,7 @@ def run_deepspeed(rank: int, world_size: int, port: int, spec: BenchSpec, extra:
         return loss
 
     try:
-        out = _train(engine, None, spec, rank, step_fn=ds_step, counter=counter)
+        out = _train(engine, None, spec, rank, step_fn=ds_step, counter=counter, gate=extra.get("gate"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -45,6 +45,19 @@ class ZeroraySession:
         """Several rows ({name: (stage, ZeroConfig fields)}) at once: every row's trainer is built
         first, then they take turns, one step each (row A's step 1, row B's step 1, ...), so a
         machine whose speed drifts over minutes slows every row alike. One row: ``run``."""
+        runs = self.open_runs(rows, spec, prefetch=prefetch, comm_every_step=comm_every_step)
+        try:
+            for batch in global_batches(spec):
+                for run in runs.values():
+                    run.step(batch)
+            return {name: run.record() for name, run in runs.items()}
+        finally:
+            for run in runs.values():
+                run.close()
+
+    def open_runs(self, rows: Dict[str, Tuple[int, Optional[dict]]], spec: BenchSpec, *, prefetch: bool,
+                  comm_every_step: bool = False) -> Dict[str, "_Run"]:
+        """Every row's trainer, built and ready to step (the caller closes them)."""
         import bench_models
 
         zr = self.zr
@@ -58,20 +71,12 @@ class ZeroraySession:
                     zero=zr.ZeroConfig(stage=stage, prefetch=prefetch, **(zero or {})),
                     scaling=zr.ScalingConfig(num_workers=spec.num_workers, threads_per_worker=spec.threads),
                     seed=spec.seed,
-                ), StepClock(spec.warmup_steps))
-            for batch in global_batches(spec):
-                for run in runs.values():
-                    run.clock.start()
-                    result = run.trainer.step(batch)
-                    loss = float(result.loss)
-                    run.clock.stop()
-                    run.losses.append(loss)
-                    if comm_every_step:
-                        run.comm_steps.append(_per_worker(_call(run.trainer, "comm_report")))
-            return {name: run.record() for name, run in runs.items()}
-        finally:
+                ), StepClock(spec.warmup_steps), comm_every_step)
+        except BaseException:
             for run in runs.values():
-                run.trainer.shutdown()
+                run.close()
+            raise
+        return runs
 
     def close(self) -> None:
         if not self._ray_was_up and self.ray.is_initialized():
@@ -81,10 +86,22 @@ class ZeroraySession:
 class _Run:
     """One row's trainer and what it measured so far."""
 
-    def __init__(self, trainer, clock: StepClock) -> None:
-        self.trainer, self.clock = trainer, clock
+    def __init__(self, trainer, clock: StepClock, comm_every_step: bool = False) -> None:
+        self.trainer, self.clock, self.comm_every_step = trainer, clock, comm_every_step
         self.losses: List[float] = []
         self.comm_steps: List[Any] = []
+
+    def step(self, batch) -> None:
+        self.clock.start()
+        result = self.trainer.step(batch)
+        loss = float(result.loss)
+        self.clock.stop()
+        self.losses.append(loss)
+        if self.comm_every_step:  # outside the timed part
+            self.comm_steps.append(_per_worker(_call(self.trainer, "comm_report")))
+
+    def close(self) -> None:
+        self.trainer.shutdown()
 
     def record(self) -> dict:
         comm = self.comm_steps[-1] if self.comm_steps else _per_worker(_call(self.trainer, "comm_report"))
