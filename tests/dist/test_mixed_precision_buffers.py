@@ -170,6 +170,7 @@ CHECKPOINTED_STAGES = (3,)
 def stages_of(model):
     return CHECKPOINTED_STAGES if model.endswith("-checkpointed") else STAGES
 
+
 # Buffers (engine names) and the dtype each must have under bf16/fp16 ("low": the compute dtype).
 EXPECTED_BUFFERS = {
     "scale": {"scale": "low"},
@@ -232,7 +233,8 @@ def test_low_precision_trains_as_fp32_with_fp32_norms(runs, stage, dtype):
             stats[model] = max(stats.get(model, 0.0), (got - fp32).abs().max().item())
     print(f"stage {stage} {dtype}: worst relative loss difference per model "
           + ", ".join(f"{m} {v:.2e}" for m, v in worst.items())
-          + "; running statistics, max abs difference from fp32: " + ", ".join(f"{m} {v:.2e}" for m, v in stats.items()))
+          + "; running statistics, max abs difference from fp32: "
+          + ", ".join(f"{m} {v:.2e}" for m, v in stats.items()))
 
 
 @pytest.mark.parametrize("dtype", LOW)
