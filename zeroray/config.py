@@ -67,8 +67,12 @@ class ZeroConfig:
         ``_no_split_modules``, plus the root for the rest), "module" (every module that owns
         parameters), a tuple of nn.Module classes, or a callable (qualified_name, module) -> bool.
         See zeroray/wrap.py.
-    cast_buffers: with dtype bf16/fp16, cast floating buffers too (default False: buffers keep
-        their dtype, as FSDP2's mixed precision does; BatchNorm statistics, rotary inv_freq).
+    cast_buffers: with dtype bf16/fp16, which floating buffers take the compute dtype. None
+        (default): as ``model.to(dtype)`` would, except rotary ``inv_freq``/``original_inv_freq``
+        (kept fp32); True: every one; False: none (each keeps its own dtype). Under all three,
+        normalisation layers with running statistics (BatchNorm, InstanceNorm with
+        track_running_stats) and the modules a Hugging Face model keeps in fp32 keep their
+        buffers in fp32 and compute in fp32. See [Note: mixed precision] in zeroray/precision.py.
     """
 
     stage: int = 3
@@ -94,7 +98,7 @@ class ZeroConfig:
     sharded_init: bool = True
     collective_timeout_s: float = 300.0
     wrap: Any = "auto"
-    cast_buffers: bool = False
+    cast_buffers: Optional[bool] = None
 
     def __post_init__(self) -> None:
         c = "ZeroConfig"
@@ -115,9 +119,12 @@ class ZeroConfig:
                 continue  # sized from the model when the engine is built
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 _fail(c, name, value, "it must be a positive number of bytes (an int > 0) or None (sized from the model)")
-        for name in ("prefetch", "offload_activations", "sharded_init", "cast_buffers"):
+        for name in ("prefetch", "offload_activations", "sharded_init"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "it must be True or False")
+        if self.cast_buffers is not None and not isinstance(self.cast_buffers, bool):
+            _fail(c, "cast_buffers", self.cast_buffers, "it must be None (the automatic rule: buffers take the "
+                  "compute dtype except rotary inv_freq), True (cast every buffer) or False (cast none)")
         if not isinstance(self.reuse_distance, int) or isinstance(self.reuse_distance, bool) or self.reuse_distance < 0:
             _fail(c, "reuse_distance", self.reuse_distance, "it must be an integer >= 0")
         _positive_int(c, "grad_accum_steps", self.grad_accum_steps)

@@ -55,6 +55,7 @@ from zeroray.errors import CollectiveError, PeerStepError, StepError
 from zeroray.fetch import FetchCoordinator
 from zeroray.local_shard import LocalShard
 from zeroray.optim import LossScaler, ShardedOptimizer, build_segments
+from zeroray.precision import MixedPrecision, load_untrained
 from zeroray.sharded_init import build_sharded
 from zeroray.stage import StagePolicy
 from zeroray.unit import Units
@@ -101,8 +102,9 @@ class Engine:
         named = dict(self.model.named_parameters())
         if hasattr(model_fn, "read_pieces"):
             self._load_saved_weights(model_fn, named, kept)
-        if self.dtype != torch.float32:
-            self._cast_untrained(self.dtype)
+        self.precision = MixedPrecision(self.model, self.dtype, zero.cast_buffers)
+        self.precision.cast()
+        self._restore_precision = self.precision.wrap()  # before checkpointing wraps: restored after it
         self._build_storage(named, kept)
         self.waiter = Waiter(group.blocking_waits)
         self.coordinator: Optional[FetchCoordinator] = None
@@ -165,19 +167,6 @@ class Engine:
         with torch.no_grad():
             for name, value in model_fn.read_whole(replicated).items():
                 state[name].copy_(value.to(state[name].dtype))
-
-    def _cast_untrained(self, dtype: torch.dtype) -> None:
-        """Frozen parameters compute in the low precision too; buffers keep their dtype (a
-        BatchNorm's running statistics, a rotary ``inv_freq``) unless ``cast_buffers``."""
-        with torch.no_grad():
-            for p in self.model.parameters():
-                if not p.requires_grad and p.is_floating_point():
-                    p.data = p.data.to(dtype)
-            if self.zero.cast_buffers:
-                for mod in self.model.modules():
-                    for k, b in mod._buffers.items():
-                        if b is not None and b.is_floating_point():
-                            mod._buffers[k] = b.to(dtype)
 
     def _build_storage(self, named: Dict[str, torch.nn.Parameter],
                        kept: Optional[Dict[str, Tuple[int, int, torch.Tensor]]] = None) -> None:
@@ -569,11 +558,17 @@ class Engine:
         self.flush()
 
     def untrained_state(self) -> Dict[str, torch.Tensor]:
-        """Frozen parameters and buffers (replicated), under their state_dict names."""
+        """Frozen parameters and buffers (replicated), under their state_dict names, each in the
+        dtype the model gave it ([Note: mixed precision] in precision.py)."""
         trained = set(self.layout.slots)
         # keep_vars: the trainable parameters are not touched (at stage 3 they hold no values here)
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict(keep_vars=True).items()
+        return {k: self.precision.exported(k, v) for k, v in self.model.state_dict(keep_vars=True).items()
                 if k not in trained}
+
+    def import_untrained(self, tensors: Dict[str, torch.Tensor]) -> List[str]:
+        """Load what ``untrained_state`` exported (a checkpoint's extra tensors), each cast into
+        the engine's dtype for it; returns the names ``tensors`` lacks."""
+        return load_untrained(self.model, tensors, skip=self.layout.slots)
 
     def close(self) -> None:
         """Release everything the engine attached to the model, so that it and its memory can go."""
@@ -586,6 +581,7 @@ class Engine:
         if self.access is not None:
             self.access.remove()
         self._restore_forwards()
+        self._restore_precision()
         self.activations.inner = None
 
 

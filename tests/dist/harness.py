@@ -64,6 +64,7 @@ def _run_one(rank, world, port, spec, out_file):
     torch.save({"losses": losses, "norms": norms, "skipped": skipped, "pieces": pieces,
                 "reports": reports, "memory": memory, "untrained": engine.untrained_state(),
                 "buffer_dtypes": {n: b.dtype for n, b in engine.model.named_buffers()},
+                "frozen_dtypes": {n: p.dtype for n, p in engine.model.named_parameters() if not p.requires_grad},
                 "aliases": engine.layout.aliases(), "scale": engine.scaler.scale if engine.scaler else None},
                out_file)
     engine.close()

@@ -5,7 +5,7 @@ The models (tests/real_models.py): a GPT built from torch's nn.MultiheadAttentio
 nanoGPT-style model (root-level init, ``x @ wte.weight.t()`` head), transformers' GPT-2 and
 Llama from tiny configs, and a saved GPT-2 loaded two ways (``from_pretrained`` in model_fn,
 and ``zeroray.hf.pretrained``, whose workers read only their slices). Also: parameters read
-in ``loss_fn`` (an L2 penalty over ``model.parameters()``), buffers keeping their dtype in
+in ``loss_fn`` (an L2 penalty over ``model.parameters()``), rotary buffers staying fp32 in
 bf16, and a parameter read outside a step raising an error that names it.
 """
 import functools
@@ -113,8 +113,9 @@ def _touch_in_param_groups(name, p):
 
 
 def test_bf16_keeps_buffers_and_a_parameter_read_between_steps_is_an_error():
-    """bf16 casts parameters only (Llama's rotary inv_freq buffers stay fp32, and training
-    works: transformers computes the rotary angles in fp32 and casts them itself); and at stage
+    """bf16 keeps Llama's rotary inv_freq buffers in fp32 ([Note: mixed precision] in
+    zeroray/precision.py), and training works: transformers computes the rotary angles in fp32
+    and casts them itself; and at stage
     3 a parameter read outside a step (here in a param_groups callback, at construction) raises
     ParameterAccessError naming it, instead of reading a freed buffer."""
     from tests.dist.harness import run_engine

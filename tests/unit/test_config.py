@@ -40,6 +40,8 @@ BAD = [
     (zr.ZeroConfig, "activation_checkpointing", (1, 2), "nn.Module classes"),
     (zr.ZeroConfig, "collective_timeout_s", 0, "> 0"),
     (zr.ZeroConfig, "collective_timeout_s", math.inf, "> 0"),
+    (zr.ZeroConfig, "cast_buffers", "auto", "None (the automatic rule"),
+    (zr.ZeroConfig, "cast_buffers", 1, "True (cast every buffer) or False"),
     (zr.ScalingConfig, "num_workers", 0, ">= 1"),
     (zr.ScalingConfig, "num_workers", -2, ">= 1"),
     (zr.ScalingConfig, "num_workers", 2.5, ">= 1"),
@@ -90,6 +92,9 @@ def test_defaults_and_good_values_pass():
     zr.ZeroConfig()
     zr.ZeroConfig(stage=0, dtype="bf16", reduce_dtype="fp32", max_grad_norm=1.0, activation_checkpointing=True)
     zr.ZeroConfig(bucket_bytes="auto", bucket_timeout_ms=2.5)
+    assert zr.ZeroConfig().cast_buffers is None  # the automatic rule of zeroray/precision.py
+    zr.ZeroConfig(dtype="bf16", cast_buffers=True)
+    zr.ZeroConfig(dtype="fp16", cast_buffers=False)
     assert zr.ZeroConfig(bucket_bytes="auto").base_bucket_bytes == zr.ZeroConfig().bucket_bytes
     zr.ScalingConfig(num_workers=4, min_workers=2, cpus_per_worker=0.5, use_gpu=True)
     zr.FailureConfig(max_failures=0)

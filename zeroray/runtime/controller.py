@@ -407,8 +407,10 @@ class Controller:
         targets = [info["state_layout"] for info in new.setup_info]
         m = new.num_workers
         per_old = old.call("export_pieces", targets, num_returns=m + 1)  # per old rank: m pieces, then a record
+        untrained = old.call("untrained_state", ranks=[0])[0]  # the replicated buffers and frozen parameters
         old.wait_all([refs[m] for refs in per_old], None, "resize: export the old shards")
-        return new.wait_all(new.call_each("load_pieces", [([refs[j] for refs in per_old],) for j in range(m)]),
+        return new.wait_all(new.call_each("load_pieces", [([refs[j] for refs in per_old], untrained)
+                                                          for j in range(m)]),
                             None, "resize: load the new shards")
 
 

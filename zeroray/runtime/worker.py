@@ -199,11 +199,14 @@ class Worker:
 
     @engine_call
     def load_checkpoint(self, path: str) -> int:
-        from zeroray.checkpoint import load_resharded
+        """This rank's slices of the checkpoint, and the replicated buffers and frozen parameters
+        (its extra tensors, which ``save_shard`` writes from ``untrained_state``)."""
+        from zeroray.checkpoint import load_extra, load_resharded
 
         layout, rank = self.engine.state_layout()
         tensors, scalars = load_resharded(path, layout, rank)
         self.engine.import_state(tensors, scalars)
+        self.engine.import_untrained(load_extra(path))
         return self.engine.step_count
 
     @engine_call
@@ -214,9 +217,10 @@ class Worker:
         verify_files(step_dir, names)
 
     @engine_call
-    def load_pieces(self, piece_refs: List[Any]) -> int:
+    def load_pieces(self, piece_refs: List[Any], untrained: Dict[str, torch.Tensor]) -> int:
         """Resize, new side: this rank's state from the old workers' pieces for it, fetched one at a
-        time (the refs arrive in a list, so Ray does not fetch them all before the call)."""
+        time (the refs arrive in a list, so Ray does not fetch them all before the call), and the
+        old rank 0's buffers and frozen parameters (``untrained_state``)."""
         from zeroray.runtime.state_transfer import PieceAssembler
 
         layout, _ = self.engine.state_layout()
@@ -224,4 +228,5 @@ class Worker:
         for ref in piece_refs:
             assembler.add(ray.get(ref))
         self.engine.import_state(*assembler.state())
+        self.engine.import_untrained(untrained)
         return self.engine.step_count
