@@ -160,5 +160,8 @@ def test_run_error_on_one_worker_raises_it(trainers):
         trainer.run(_fails_on_rank1, ids)
     assert any("worker 1" in note for note in getattr(info.value, "__notes__", []))
     assert trainer.run(lambda model, x: model(x).logits.shape, ids) == (1, 3, 64)  # the group goes on
+    with pytest.raises(ValueError, match="metric_fn's 'acc' is \\(2,\\), not a number"):
+        trainer.evaluate(EVAL, lambda model, batch: {"acc": torch.ones(2)})
+    assert trainer.evaluate(EVAL)["loss"] > 0
     with pytest.raises(RuntimeError, match="only known while a worker runs your code"):
         zr.worker_context()

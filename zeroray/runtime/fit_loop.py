@@ -154,7 +154,7 @@ def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optio
             controller.data_position += 1
             results.append(result)
             if bar:
-                if bar.tokens_per_step is None:
+                if pending.tokens is not None:  # each step's own: batches may change shape between steps
                     bar.tokens_per_step = pending.tokens
                 bar.update(result)
             if _saves_after(result.step, ckpt):
