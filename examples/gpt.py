@@ -81,6 +81,24 @@ def gpt_loss(model: nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
+def sample(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+           seed: int = 0) -> torch.Tensor:
+    """``prompt`` (batch, length) followed by ``new_tokens`` sampled characters: each drawn from the
+    last position's softmax at ``temperature`` (0: the most likely one), the context cropped to
+    the model's ``seq_len``. Call it without gradients, the model in eval mode (``trainer.run``
+    does both)."""
+    g = torch.Generator(device=prompt.device).manual_seed(seed)
+    idx = prompt
+    for _ in range(new_tokens):
+        logits = model(idx[:, -model.cfg.seq_len:])[:, -1].float()
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=g)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
 def load_text() -> bytes:
     """Python's own documentation topics: real English prose shipped with every Python."""
     from pydoc_data.topics import topics

@@ -1,9 +1,10 @@
 """zeroray: ZeRO sharded training (stages 0-3, ZeRO-R) of PyTorch models on Ray."""
 from zeroray.config import (Adam, AdamW, CheckpointConfig, FailureConfig, SGD, ScalingConfig,
                             ZeroConfig)
+from zeroray.context import WorkerContext, worker_context
 
 __all__ = ["Adam", "AdamW", "SGD", "ZeroConfig", "ScalingConfig", "FailureConfig",
-           "CheckpointConfig", "Trainer", "StepResult", "estimate_memory"]
+           "CheckpointConfig", "Trainer", "StepResult", "estimate_memory", "WorkerContext", "worker_context"]
 
 
 def __getattr__(name):

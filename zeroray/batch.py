@@ -1,10 +1,15 @@
 """Global batches: a tensor, or a tuple/list/dict of tensors whose dim 0 is the batch.
 
-Splitting them over workers and micro-batches, moving them to a device, and describing
-their structure (to tell a user whose batches change shape between steps what changed).
+Splitting them over workers and micro-batches, and moving them to a device. A dict may be any
+mapping: Hugging Face's collators return a ``BatchEncoding`` (a ``UserDict``), whose pieces
+arrive on the workers as plain dicts (``model(**batch)`` takes either). Nothing about a batch
+is fixed from one step to the next: its rows may change shape (a collator that pads each
+batch to its longest sequence), and so may its structure; each step runs the user's code on
+whatever it is given, as DDP does.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, List
 
 import torch
@@ -30,41 +35,10 @@ def batch_size(batch: Any) -> int:
     return sizes.pop()
 
 
-def batch_structure(batch: Any) -> Any:
-    """Structure and per-row shapes/dtypes: to detect batches that change shape between steps."""
-    if isinstance(batch, torch.Tensor):
-        return ("T", tuple(batch.shape[1:]), str(batch.dtype))
-    if isinstance(batch, dict):
-        return ("D", tuple((k, batch_structure(v)) for k, v in sorted(batch.items())))
-    if isinstance(batch, (list, tuple)):
-        return ("L", tuple(batch_structure(v) for v in batch))
-    return ("O", type(batch).__name__)
-
-
-def structure_changed(step: int, before: Any, after: Any) -> str:
-    """The message for a batch whose structure differs from the first step's."""
-    return (f"step {step}: the batch structure changed from {describe_structure(before)} to "
-            f"{describe_structure(after)} (N = rows, which may vary); every step must get batches of the same "
-            "structure, row shapes and dtypes: pad or crop them to one shape, or build a new Trainer for the new one")
-
-
-def describe_structure(structure: Any) -> str:
-    """batch_structure() in words, e.g. ``(tensor[N, 5] int64, tensor[N, 5] int64)``."""
-    kind, rest = structure[0], structure[1:]
-    if kind == "T":
-        shape, dtype = rest
-        return f"tensor[{', '.join(['N'] + [str(d) for d in shape])}] {dtype.replace('torch.', '')}"
-    if kind == "D":
-        return "{" + ", ".join(f"{k!r}: {describe_structure(v)}" for k, v in rest[0]) + "}"
-    if kind == "L":
-        return "(" + ", ".join(describe_structure(v) for v in rest[0]) + ")"
-    return str(rest[0])
-
-
 def _leaves(batch: Any) -> List[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         return [batch]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return [t for v in batch.values() for t in _leaves(v)]
     if isinstance(batch, (list, tuple)):
         return [t for v in batch for t in _leaves(v)]
@@ -74,7 +48,7 @@ def _leaves(batch: Any) -> List[torch.Tensor]:
 def _slice(batch: Any, lo: int, hi: int) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch[lo:hi]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {k: _slice(v, lo, hi) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(_slice(v, lo, hi) for v in batch)
@@ -84,7 +58,7 @@ def _slice(batch: Any, lo: int, hi: int) -> Any:
 def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)

@@ -43,16 +43,17 @@ from zeroray import step_status
 from zeroray.access import ParameterAccess
 from zeroray.activations import ActivationTracker, apply_checkpointing, checkpoint_targets
 from zeroray.arena import FlatLayout
-from zeroray.batch import (batch_size, batch_structure, describe_structure, split_batch,  # noqa: F401 (re-exported)
-                           structure_changed, to_device)
+from zeroray.batch import batch_size, split_batch, to_device  # noqa: F401 (re-exported)
 from zeroray.comm.bucket_learning import BucketLearning
 from zeroray.comm.buckets import GradBuckets, default_unit_order
 from zeroray.comm.gather import UnitGatherer
 from zeroray.comm.group import Group
 from zeroray.comm.waiter import Waiter
 from zeroray.config import ZeroConfig, validate_optimizer
+from zeroray.context import with_worker_context
 from zeroray.errors import CollectiveError, PeerStepError, StepError
 from zeroray.fetch import FetchCoordinator
+from zeroray.inference import evaluation, failed_ranks, inference_call, to_cpu
 from zeroray.local_shard import LocalShard
 from zeroray.optim import LossScaler, ShardedOptimizer, build_segments
 from zeroray.precision import MixedPrecision, load_untrained
@@ -95,7 +96,6 @@ class Engine:
         self.dtype = TORCH_DTYPES[zero.dtype]
         self.reduce_dtype = TORCH_DTYPES[zero.reduce_dtype_name]
         self.step_count = 0
-        self._structure = None
         self._hooks: list = []
 
         model, kept = self._build_model(model_fn, seed)
@@ -316,6 +316,7 @@ class Engine:
 
     # --- one step --------------------------------------------------------------------------
 
+    @with_worker_context
     def train_step(self, batch: Any) -> StepStats:
         """One optimizer step on this rank's share of the global batch (collective)."""
         t0 = time.perf_counter()
@@ -376,10 +377,6 @@ class Engine:
                          self.scaler.scale if self.scaler else None, time.perf_counter() - t0)
 
     def _micro_batches(self, batch: Any, k: int) -> List[Any]:
-        structure = batch_structure(batch)
-        if self._structure is not None and structure != self._structure:
-            raise ValueError(structure_changed(self.step_count, self._structure, structure))
-        self._structure = structure
         return split_batch(to_device(batch, self.device), k, "worker's share of the batch (grad_accum_steps)")
 
     def _micro_batch(self, index: int, mb: Any, last: bool, scale: float, losses: List[torch.Tensor]) -> None:
@@ -488,6 +485,37 @@ class Engine:
         if self.coordinator is None or not self.policy.reshard_after_use:
             return {}
         return dict(self.coordinator.stats)
+
+    # --- evaluation and inference: [Note: inference calls] in inference.py -------------------
+
+    @with_worker_context
+    def evaluate(self, batch: Any, metric_fn: Optional[Callable] = None) -> Dict[str, float]:
+        """``loss_fn`` (and ``metric_fn``) on this rank's rows, in eval mode without gradients:
+        ``{"loss": float, **metrics}`` (collective; trains nothing)."""
+        return self._inference(evaluation(self.loss_fn, metric_fn), batch)
+
+    @with_worker_context
+    def run(self, fn: Callable, *args: Any) -> Any:
+        """``fn(model, *args)`` in eval mode without gradients; its result with every tensor on the
+        CPU. Tensors in ``args`` arrive on this rank's device (collective; trains nothing)."""
+        return self._inference(fn, *args)
+
+    def _inference(self, fn: Callable, *args: Any) -> Any:
+        result, failure = None, None
+        try:
+            with inference_call(self.model, self.coordinator):
+                result = to_cpu(fn(self.model, *to_device(args, self.device)))
+        except CollectiveError:
+            raise  # the group is broken: the runtime rebuilds it
+        except Exception as error:  # noqa: BLE001 - every rank raises together, as a step does
+            failure = error
+        failed = failed_ranks(self.group, self.waiter, failure is not None, self.device)
+        if failure is not None:
+            raise failure
+        if failed:
+            raise PeerStepError(f"worker(s) {failed} raised an error in an evaluate/run call (their own error says "
+                                "why); this worker's part of it was dropped", failed)
+        return result
 
     # --- inspection and state --------------------------------------------------------------
 

@@ -212,6 +212,36 @@ class FetchCoordinator:
         self.stats["rounds"] = self.negotiator.rounds
         self.mode = Mode.IDLE
 
+    # --- an inference call (called by the engine): see [Note: inference calls] in inference.py --
+
+    def begin_inference(self) -> None:
+        """Before ``evaluate``/``run`` computes: stages 1-2 wait for the published gathers where
+        needed (PERSISTENT); stage 3 negotiates every fetch under a call id of its own, so its
+        rounds never meet a step's. Nothing it records becomes a trace, and ``on_negotiate`` is
+        not called: an inference call reduces nothing."""
+        self.call += 1
+        self.records = [MicroBatchRecord(exited=self.reshard)]
+        self.micro_batch = 0
+        self.in_backward = self.compute_done = False
+        self._stack, self._held = [], {}
+        self._pos = self._issued = 0
+        self.mode = Mode.NEGOTIATE if self.reshard else Mode.PERSISTENT
+
+    def end_inference(self) -> None:
+        """After ``evaluate``/``run`` computed (or raised): stage 3 answers rounds until every rank
+        is done, then every unit is freed (stage 3) or its gather finished (stages 1-2); the
+        rounds' signals are cleared and the coordinator is IDLE again. The schedule is untouched."""
+        try:
+            if self.mode is Mode.NEGOTIATE:
+                self.compute_done = True
+                self._finish_rounds(0)
+            self.end_micro_batch()
+            self.negotiator.forget(self.call)
+            self.stats["rounds"] = self.negotiator.rounds
+        finally:
+            self.mode = Mode.IDLE
+            self.records = []
+
     def flush(self) -> None:
         """Finish every gather in flight (stages 1-2 publish); see [Note: deferred publish]."""
         for u in self.units.holding():

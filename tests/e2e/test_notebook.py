@@ -97,6 +97,10 @@ def test_quickstart_notebook():
     assert "blocks.0.qkv.weight: shape (192, 64)" in text
     assert len(re.findall(r"worker \d: params \d+ KiB", text)) == 2
     assert "step_00000030" in text and "3 workers, step 30" in text and "step 50: loss" in text
+    eval_loss = float(re.search(r"step 50: loss [\d.]+, eval loss ([\d.]+)", text).group(1))
+    assert eval_loss < first - 1.0, text  # evaluated on other batches, after training
+    sample = re.search(r"sample: (.*)", text, re.S).group(1)
+    assert sample.startswith("The ") and len(sample.encode("utf-8", errors="replace")) >= 80, sample
     errs = "".join(o.get("text", "") for c in code for o in c.outputs if o.output_type == "stream" and o.name == "stderr")
     assert "zeroray: 100%" in errs and "20/20" in errs  # fit's progress bar (the text one without ipywidgets)
     plots = [o for c in code for o in c.outputs if o.output_type == "display_data" and "image/png" in o.data]

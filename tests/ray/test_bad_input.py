@@ -118,12 +118,8 @@ def test_bad_batches_and_bad_losses(ray_local):
             trainer.step((torch.cat([idx, idx[:1]]), torch.cat([tgt, tgt[:1]])))
         _record("global batch of 13 rows on 2 workers", info.value)
 
-        with pytest.raises(ValueError, match="step 1: the batch structure changed") as info:
-            trainer.step((idx[:, :3], tgt[:, :3]))
-        _record("batch rows of shape (3,) after (5,)", info.value)
-        with pytest.raises(ValueError, match="step 1: the batch structure changed") as info:
-            trainer.step([idx, tgt, tgt])
-        _record("a 3-element batch after 2-element ones", info.value)
+        # Rows of another shape than the last step's are no mistake (a padding collator's batches):
+        # tests/ray/test_evaluate_run.py::test_trainer_steps_on_changing_sequence_lengths.
 
         with pytest.raises(StepError, match=r"step 1: loss_fn returned a non-finite loss \(nan\)") as info:
             trainer.step(_marked(NAN_MARK))

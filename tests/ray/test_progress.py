@@ -74,6 +74,36 @@ def test_bar_when_interactive(monkeypatch, capsys):
     assert "3/3" in err and "loss=" in err and "tok/s=" in err and "s/step=" in err
 
 
+def test_evaluations_of_fit(monkeypatch, caplog, capsys, tmp_path):
+    # Log lines: the held-back step line first, then the evaluation's; a JSONL record; the gauge.
+    monkeypatch.setattr(progress_mod, "_interactive", lambda: False)
+    caplog.set_level(logging.INFO, logger="zeroray")
+    path = tmp_path / "metrics.jsonl"
+    bar = Progress(12, metrics_path=str(path))
+    gauges = {k: FakeGauge() for k in progress_mod.GAUGES}
+    bar._ray_metrics = gauges
+    for r in _results(2):
+        bar.update(r)
+    bar.evaluation(102, {"loss": 1.25, "acc": 0.5})
+    bar.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "zeroray"]
+    assert [line.split(" loss")[0] for line in lines] == ["zeroray step 101 (1/12)", "zeroray step 102 (2/12)",
+                                                           "zeroray step 102 eval"]
+    assert lines[-1] == "zeroray step 102 eval loss 1.2500 acc 0.5000"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {k: v for k, v in records[-1].items() if k != "time"} == {"step": 102, "eval_loss": 1.25, "eval_acc": 0.5}
+    assert gauges["eval_loss"].values == [1.25] and len(gauges["loss"].values) == 2
+    # In a bar: the postfix shows it, and keeps it through the next steps.
+    monkeypatch.setattr(progress_mod, "_interactive", lambda: True)
+    bar = Progress(3)
+    bar._ray_metrics = {}
+    bar.update(_results(1)[0])
+    bar.evaluation(101, {"loss": 1.25})
+    bar.update(_results(2)[1])
+    assert bar.bar.postfix.startswith("loss=1.9000") and "eval_loss=1.2500" in bar.bar.postfix
+    bar.close()
+
+
 def test_plain_lines_reach_stdout_without_logging_config():
     # A fresh interpreter with no logging configured, stderr not a tty: what a Ray job's driver sees.
     code = ("from types import SimpleNamespace as S; from zeroray.runtime.progress import Progress\n"

@@ -7,6 +7,8 @@ what the trainer is doing, and each transition is one of its methods:
     IDLE -> STEPPING -> IDLE                                step()
     IDLE -> FITTING (-> RECOVERING -> FITTING)* -> IDLE     begin_fit(), recover(), end_fit()
     IDLE -> RESIZING -> IDLE                                resize()
+    IDLE -> EVALUATING -> IDLE                              evaluate() (fit evaluates while FITTING)
+    IDLE -> RUNNING -> IDLE                                 run()
     any  -> CLOSED                                          close() (or a recovery that could not restart)
 
 A call that its state does not allow (``step`` from inside a ``fit`` callback, anything after
@@ -32,15 +34,17 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
 from zeroray.arena import FlatLayout
 from zeroray.config import ScalingConfig, ZeroConfig
-from zeroray.engine import batch_size, batch_structure, split_batch, structure_changed
+from zeroray.engine import batch_size, split_batch
 from zeroray.runtime.batch_transport import PackedBatch
 from zeroray.runtime.code_shipping import ship_by_value
+from zeroray.runtime.data import evaluation_batches
 from zeroray.runtime.failures import PlacementError, WorkerSetupError, is_worker_failure
 from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
 from zeroray.runtime.sequencer import Cancelled
@@ -58,15 +62,20 @@ class TrainerState(enum.Enum):
     FITTING = "fitting"
     RECOVERING = "recovering"
     RESIZING = "resizing"
+    EVALUATING = "evaluating"
+    RUNNING = "running"
     CLOSED = "closed"
 
 
 _ALLOWED = {
-    TrainerState.IDLE: {TrainerState.STEPPING, TrainerState.FITTING, TrainerState.RESIZING},
+    TrainerState.IDLE: {TrainerState.STEPPING, TrainerState.FITTING, TrainerState.RESIZING,
+                        TrainerState.EVALUATING, TrainerState.RUNNING},
     TrainerState.STEPPING: {TrainerState.IDLE},
     TrainerState.FITTING: {TrainerState.RECOVERING, TrainerState.IDLE},
     TrainerState.RECOVERING: {TrainerState.FITTING},
     TrainerState.RESIZING: {TrainerState.IDLE},
+    TrainerState.EVALUATING: {TrainerState.IDLE},
+    TrainerState.RUNNING: {TrainerState.IDLE},
     TrainerState.CLOSED: set(),
 }
 
@@ -97,7 +106,6 @@ class Controller:
         self.last_recovery_s: Optional[float] = None  # fit: seconds from a worker failure to resuming
         self.recoveries: List[Dict[str, Any]] = []    # fit: one record per restart (cause, timing, size)
         self.in_flight = 0                         # steps sent and not yet collected
-        self._structure = None                     # the batch structure of the first step
         self._fit_origin = (0, 0)                  # (step_count, data_position) where this fit began
         ship_by_value(spec)  # before the first actor: [Note: shipping model code]
         self._start(scaling.num_workers)
@@ -152,16 +160,12 @@ class Controller:
             self._leave(TrainerState.STEPPING)
 
     def _check_batch(self, batch: Any) -> None:
-        structure = batch_structure(batch)
-        if self._structure is not None and structure != self._structure:
-            raise ValueError(structure_changed(self.step_count + self.in_flight, self._structure, structure))
         size = batch_size(batch)
         parts = self.num_workers * self.zero.grad_accum_steps
         if size % parts:
             raise ValueError(
                 f"the global batch has {size} rows, which does not split evenly over {self.num_workers} worker(s)"
                 f" x {self.zero.grad_accum_steps} micro-batch(es): use a batch size divisible by {parts}")
-        self._structure = structure
 
     def _require_stepping(self) -> None:
         if self.state not in (TrainerState.STEPPING, TrainerState.FITTING):
@@ -209,15 +213,74 @@ class Controller:
     def discard(self, pending: Sequence[PendingStep], timeout_s: float = 10.0) -> None:
         """Forget steps sent behind a failed one: they were cancelled, or their group is gone.
         Waits for them briefly, so none is still queued when the caller goes on."""
-        refs = [ref for p in pending for ref in p.refs]
         self.in_flight = max(0, self.in_flight - len(pending))
-        if refs:
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except Exception:  # noqa: BLE001 - the failed step's error was raised already
-                    pass
+        _wait_quietly([ref for p in pending for ref in p.refs], timeout_s)
+
+    # --- evaluation and inference ([Note: inference calls] in inference.py) ---------------------
+
+    def evaluate(self, data: Any, metric_fn: Optional[Callable],
+                 dataset_batch_size: Optional[int]) -> Dict[str, float]:
+        """IDLE -> EVALUATING -> IDLE: see Trainer.evaluate."""
+        self._enter(TrainerState.EVALUATING)
+        try:
+            return self._evaluate(data, metric_fn, dataset_batch_size)
+        finally:
+            self._leave(TrainerState.EVALUATING)
+
+    def evaluate_in_fit(self, data: Any, metric_fn: Optional[Callable],
+                        dataset_batch_size: Optional[int]) -> Dict[str, float]:
+        """fit's evaluation, between complete steps: FITTING, with no step in flight."""
+        if self.state is not TrainerState.FITTING or self.in_flight:
+            raise RuntimeError(f"fit evaluates between complete steps only (the Trainer is {self.state.value}, "
+                               f"{self.in_flight} step(s) in flight): a zeroray bug")
+        return self._evaluate(data, metric_fn, dataset_batch_size)
+
+    def _evaluate(self, data: Any, metric_fn: Optional[Callable], dataset_batch_size: Optional[int]
+                  ) -> Dict[str, float]:
+        """Every global batch split over the workers; per batch the mean over workers of what each
+        reported, then the mean over batches. Two batches in flight, as fit keeps steps."""
+        group, n = self.group, self.num_workers
+        metric_ref = ray.put(metric_fn)  # sent once, not with every batch
+        sums: Dict[str, float] = {}
+        counts: Dict[str, int] = {}
+        pending: Deque[Tuple[int, List[Any]]] = deque()
+
+        def collect(index: int, refs: List[Any]) -> None:
+            outs = group.wait_all(refs, None, f"evaluate (batch {index})")
+            if any(set(o) != set(outs[0]) for o in outs):
+                raise ValueError(f"evaluate: metric_fn returned other names on other workers for batch {index}: "
+                                 f"{[sorted(o) for o in outs]}; return the same names on every worker")
+            for key in outs[0]:
+                sums[key] = sums.get(key, 0.0) + sum(o[key] for o in outs) / n
+                counts[key] = counts.get(key, 0) + 1
+
+        try:
+            for index, batch in enumerate(evaluation_batches(data, dataset_batch_size)):
+                size = batch_size(batch)
+                if size % n:
+                    raise ValueError(f"evaluate: batch {index} has {size} rows, which does not split evenly over {n} "
+                                     f"worker(s): use batches whose size divides by {n}")
+                shards = [PackedBatch(s) for s in split_batch(batch, n)]  # [Note: batch transport]
+                pending.append((index, group.call_each("evaluate", [(s, metric_ref) for s in shards])))
+                if len(pending) == 2:
+                    collect(*pending.popleft())
+            while pending:
+                collect(*pending.popleft())
+        except BaseException:
+            _wait_quietly([ref for _, refs in pending for ref in refs], 10.0)
+            raise
+        if not counts:
+            raise ValueError("evaluate: the data held no batches")
+        return {key: sums[key] / counts[key] for key in sums}
+
+    def run(self, fn: Callable, args: Tuple[Any, ...]) -> Any:
+        """IDLE -> RUNNING -> IDLE: see Trainer.run."""
+        self._enter(TrainerState.RUNNING)
+        try:
+            group = self.group
+            return group.wait_all(group.call("run", fn, ray.put(args)), None, "run")[0]
+        finally:
+            self._leave(TrainerState.RUNNING)
 
     # --- fit -------------------------------------------------------------------------------
 
@@ -281,7 +344,6 @@ class Controller:
         decision = scaling.on_restart(*_free_resources(scaling))
         if decision.action is Action.RESIZE:
             note(f"zeroray: {decision.reason}")
-        self._structure = None
         t1 = time.monotonic()
         self._start(decision.num_workers)
         t2 = time.monotonic()
@@ -412,6 +474,18 @@ class Controller:
         return new.wait_all(new.call_each("load_pieces", [([refs[j] for refs in per_old], untrained)
                                                           for j in range(m)]),
                             None, "resize: load the new shards")
+
+
+def _wait_quietly(refs: List[Any], timeout_s: float) -> None:
+    """Wait briefly for calls whose outcome no longer matters (behind a failed one): none is
+    still queued when the caller goes on; their errors were raised already, or are moot."""
+    if refs:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001
+                pass
 
 
 def _free_resources(scaling: ScalingPolicy, wait_s: float = 3.0) -> Tuple[float, float]:

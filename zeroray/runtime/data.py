@@ -47,7 +47,7 @@ from __future__ import annotations
 import sys
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional
 
 import numpy as np
 import torch
@@ -149,6 +149,26 @@ def _in_fixed_order(dataset: Any) -> Any:
         ordered = type(dataset).copy(dataset, _deep_copy=True)
     ordered.context.execution_options.preserve_order = True
     return ordered
+
+
+def evaluation_batches(data: Any, dataset_batch_size: Optional[int]) -> Iterator[Any]:
+    """The global batches of ``trainer.evaluate``'s data: an iterable of them as it is, or a
+    ``ray.data.Dataset`` read on the driver in dicts of ``dataset_batch_size`` rows (the last
+    partial batch dropped, as fit drops it). Evaluation data is small next to training data, so
+    it goes through the driver rather than through per-worker splits."""
+    if is_ray_dataset(data):
+        if not isinstance(dataset_batch_size, int) or isinstance(dataset_batch_size, bool) or dataset_batch_size < 1:
+            raise ValueError("evaluate with a ray.data.Dataset needs batch_size= (the global batch size, in rows, "
+                             f"split evenly over the workers), got {dataset_batch_size!r}")
+        return iter(data.iter_torch_batches(batch_size=dataset_batch_size, drop_last=True))
+    if dataset_batch_size is not None:
+        raise ValueError("evaluate: batch_size= is for a ray.data.Dataset; an iterable of global batches has the "
+                         "sizes of its batches")
+    try:
+        return iter(data)
+    except TypeError:
+        raise ValueError("evaluate needs an iterable of global batches (a list of tensors or of tuples/dicts of "
+                         f"tensors) or a ray.data.Dataset, got {type(data).__name__}") from None
 
 
 class RayDataFeed:

@@ -10,6 +10,7 @@ meaning of fit does not change:
   error alone.
 - A checkpoint waits for its step: when step N is one that saves (``every_steps``), N+1 is not
   sent until N's result is in and the save is done, so no queued step runs before the save.
+  An evaluation (``eval_every``, fit_eval.py) waits for its step the same way.
 - Results and progress come in step order, one per step, as each step is collected.
 - When fit leaves early (the data iterator raised, Ctrl-C), the step still in flight is
   collected first, so ``step_count`` and ``data_position`` count exactly the steps the
@@ -30,6 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Mapping
 from typing import Any, Deque, List, Optional, Union
 
 import torch
@@ -37,6 +39,7 @@ import torch
 from zeroray.config import CheckpointConfig, FailureConfig
 from zeroray.runtime.controller import Controller
 from zeroray.runtime.data import RayDataFeed, is_ray_dataset
+from zeroray.runtime.fit_eval import FitEvaluation
 from zeroray.runtime.policy import FailurePolicy, ScalingPolicy
 from zeroray.runtime.progress import Progress
 from zeroray.runtime.step import PendingStep, StepResult
@@ -65,7 +68,7 @@ class BatchFeed:
 
 def _tokens(batch: Any) -> Optional[int]:
     first = batch[0] if isinstance(batch, (list, tuple)) else (
-        next(iter(batch.values())) if isinstance(batch, dict) else batch)
+        next(iter(batch.values())) if isinstance(batch, Mapping) else batch)
     return int(first.numel()) if isinstance(first, torch.Tensor) else None
 
 
@@ -77,7 +80,7 @@ def _feed(controller: Controller, data: Any, batch_size: Optional[int]) -> Union
 
 def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batch_size: Optional[int],
             skip: Optional[int], progress: bool, failure: FailureConfig, checkpoint: CheckpointConfig,
-            metrics_path: Optional[str]) -> List[StepResult]:
+            metrics_path: Optional[str], evaluation: Optional[FitEvaluation] = None) -> List[StepResult]:
     """Trainer.fit: see its docstring, [Note: pipelined steps] and [Note: data replay]."""
     if num_steps is not None and (not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0):
         raise ValueError(f"num_steps={num_steps!r} must be an int >= 0, or None to run until the data ends")
@@ -99,7 +102,9 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
         try:
             while True:
                 try:
-                    _run(controller, feed, end, checkpoint, results, bar)
+                    _run(controller, feed, end, checkpoint, results, bar, evaluation)
+                    if evaluation is not None:
+                        evaluation.finish(controller, results, bar)
                     break
                 except Exception as error:  # noqa: BLE001 - classified by recover: raise, or restart
                     feed.close()
@@ -116,7 +121,7 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
 
 
 def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optional[int], ckpt: CheckpointConfig,
-         results: List[StepResult], bar: Optional[Progress]) -> None:
+         results: List[StepResult], bar: Optional[Progress], evaluation: Optional[FitEvaluation]) -> None:
     """Steps from ``feed`` until it ends or ``end`` is reached, PIPELINE_DEPTH in flight."""
     in_flight: Deque[PendingStep] = deque()
     ended = False
@@ -125,8 +130,9 @@ def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optio
             while not ended and len(in_flight) < PIPELINE_DEPTH:
                 if end is not None and controller.data_position + len(in_flight) >= end:
                     break
-                if in_flight and _saves_after(in_flight[-1].number, ckpt):
-                    break  # a checkpoint waits for its step: nothing may run before its save
+                if in_flight and (_saves_after(in_flight[-1].number, ckpt) or
+                                  (evaluation is not None and evaluation.due(in_flight[-1].number))):
+                    break  # a checkpoint or evaluation waits for its step: nothing may run before it
                 pending = feed.submit(after_ok=bool(in_flight))
                 if pending is None:
                     ended = True
@@ -148,11 +154,13 @@ def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optio
             controller.data_position += 1
             results.append(result)
             if bar:
-                if bar.tokens_per_step is None:
+                if pending.tokens is not None:  # each step's own: batches may change shape between steps
                     bar.tokens_per_step = pending.tokens
                 bar.update(result)
             if _saves_after(result.step, ckpt):
                 controller.save(ckpt.path, ckpt.keep)
+            if evaluation is not None and evaluation.due(result.step):
+                evaluation.run(controller, results, bar)
     except BaseException:
         # The driver's side failed (the data iterator, a save, Ctrl-C): the steps already sent
         # count, so step_count and data_position say what the workers applied.

@@ -10,9 +10,12 @@
   job logs; configured logging (a root handler) gets the records instead. ``zeroray`` logger
   records below INFO are dropped unless the application sets that logger's level itself.
 - ``Trainer(metrics_path=...)``: one JSON record per step (step, loss, grad_norm, step_time_s,
-  tokens_per_s, skipped, time), appended and flushed as it happens.
-- Ray metrics: gauges ``zeroray_loss``, ``zeroray_step_time_s``, ``zeroray_tokens_per_s``
-  (``ray.util.metrics``), shown by the dashboard's metrics view when Prometheus scrapes it.
+  tokens_per_s, skipped, time), appended and flushed as it happens; one per evaluation of fit
+  (step, eval_loss, eval_<metric>, time), which also shows in the bar's postfix (``eval_loss``,
+  kept until the next one) or as a log line of its own.
+- Ray metrics: gauges ``zeroray_loss``, ``zeroray_step_time_s``, ``zeroray_tokens_per_s``,
+  ``zeroray_eval_loss`` (``ray.util.metrics``), shown by the dashboard's metrics view when
+  Prometheus scrapes it.
 Progress must never fail training: metric errors are logged once and otherwise ignored.
 """
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any, Dict, Optional
 
 log = logging.getLogger("zeroray")
 
-GAUGES = ("loss", "step_time_s", "tokens_per_s")
+GAUGES = ("loss", "step_time_s", "tokens_per_s", "eval_loss")
 
 
 def _in_jupyter_kernel() -> bool:
@@ -89,13 +92,15 @@ class Progress:
         self._ray_metrics: Optional[Dict[str, Any]] = None
         self._t_last = time.perf_counter()
         self._unlogged: Optional[tuple] = None  # the last step's log line, until it is logged
+        self._post: Dict[str, str] = {}  # the bar's postfix: the last step's values and the last evaluation's
 
     def _gauges(self) -> Dict[str, Any]:
         if self._ray_metrics is None:
             try:
                 from ray.util.metrics import Gauge
 
-                self._ray_metrics = {k: Gauge(f"zeroray_{k}", description=f"zeroray training: {k} of the last step")
+                self._ray_metrics = {k: Gauge(f"zeroray_{k}", description=f"zeroray training: {k} of the last "
+                                              + ("evaluation" if k.startswith("eval_") else "step"))
                                      for k in GAUGES}
             except Exception as error:  # noqa: BLE001 - metrics need a connected Ray
                 log.debug("zeroray: no Ray metrics (%s)", error)
@@ -114,10 +119,10 @@ class Progress:
                   "step_time_s": result.step_time_s, "tokens_per_s": tps, "skipped": result.skipped,
                   "time": time.time()}
         if self.bar is not None:
-            post = {"loss": f"{result.loss:.4f}", "s/step": f"{result.step_time_s:.3f}"}
+            self._post.update({"loss": f"{result.loss:.4f}", "s/step": f"{result.step_time_s:.3f}"})
             if tps:
-                post["tok/s"] = f"{tps:.0f}"
-            self.bar.set_postfix(post, refresh=False)
+                self._post["tok/s"] = f"{tps:.0f}"
+            self.bar.set_postfix(self._post, refresh=False)
             self.bar.update(1)  # one refresh per step, with the new postfix
         else:
             of = f" ({self.done}/{self.total})" if self.total else ""
@@ -126,6 +131,21 @@ class Progress:
                               result.step_time_s, extra)
             if self.done == 1 or self.done % self.log_every == 0 or self.done == self.total:
                 self._log_line()
+        self._record(record)
+
+    def evaluation(self, step: int, metrics: Dict[str, float]) -> None:
+        """fit's evaluation after step ``step``: ``metrics`` is evaluate's ``{"loss": ..., **metrics}``."""
+        values = {f"eval_{k}": v for k, v in metrics.items()}
+        if self.bar is not None:
+            self._post.update({k: f"{v:.4f}" for k, v in values.items()})
+            self.bar.set_postfix(self._post)
+        else:
+            self._log_line()  # the step's line first, if it was held back
+            log.info("zeroray step %d eval %s", step, " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        self._record({"step": step, **values, "time": time.time()})
+
+    def _record(self, record: Dict[str, Any]) -> None:
+        """One record to the metrics file and the Ray gauges."""
         if self.metrics_file is not None:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()

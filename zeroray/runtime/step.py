@@ -20,6 +20,7 @@ class StepResult:
     skipped: bool = False  # fp16 overflow: the update was skipped on every worker
     loss_scale: Optional[float] = None
     step_time_s: float = 0.0
+    evaluation: Optional[Dict[str, float]] = None  # fit: the evaluation that followed this step, if one did
     timeline: Optional[Dict[str, float]] = field(default=None, repr=False, compare=False)
 
 

@@ -14,7 +14,9 @@ import torch
 from zeroray.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
+from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.controller import Controller, TrainerState
+from zeroray.runtime.fit_eval import FitEvaluation
 from zeroray.runtime.fit_loop import run_fit
 from zeroray.runtime.step import StepResult
 from zeroray.runtime.worker_group import ensure_ray
@@ -28,6 +30,8 @@ class Trainer:
     ``model_fn()`` builds the model on every worker (after ``torch.manual_seed(seed)``);
     ``loss_fn(model, batch)`` returns the scalar loss of a worker's share of a batch. ``step``
     trains on one global batch, ``fit`` on an iterable of them or a ``ray.data.Dataset``;
+    ``evaluate`` computes the loss (and metrics) without training, ``run`` calls any function on
+    the sharded model (inference, ``generate``);
     ``save``/``restore``/``resize`` move the sharded state; ``state_dict``/``get_parameter``
     gather it to the driver. ``trainer.controller`` is the state machine behind it all.
     """
@@ -140,7 +144,8 @@ class Trainer:
         return self.controller.step(batch)
 
     def fit(self, data: Any, num_steps: Optional[int] = None, *, batch_size: Optional[int] = None,
-            skip: Optional[int] = None, progress: bool = True) -> List[StepResult]:
+            skip: Optional[int] = None, progress: bool = True, eval_data: Any = None,
+            eval_every: Optional[int] = None, eval_metric_fn: Optional[Callable] = None) -> List[StepResult]:
         """Train on ``data``: an iterable of global batches, or a ``ray.data.Dataset`` (give batch_size).
 
         Runs ``num_steps`` steps (default: until the data ends). The first ``skip`` batches are
@@ -148,9 +153,56 @@ class Trainer:
         With CheckpointConfig(every_steps=n) it saves every n steps; with FailureConfig(max_failures=k)
         a worker failure restarts from the last checkpoint and replays the data from there. The
         next step is sent while the current one runs ([Note: pipelined steps] in fit_loop.py).
+
+        ``eval_data``: ``evaluate(eval_data, eval_metric_fn)`` runs every ``eval_every`` steps (if
+        given) and once at the end, between complete steps; a ``ray.data.Dataset`` is read in
+        batches of ``batch_size``. Each evaluation goes to the progress bar or log lines, to the
+        metrics file (a record with ``step``, ``eval_loss`` and ``eval_<metric>``) and to the
+        ``evaluation`` of the StepResult of the step it followed.
         """
+        if eval_metric_fn is not None:
+            ship_by_value(eval_metric_fn)
         return run_fit(self.controller, data, num_steps, batch_size=batch_size, skip=skip, progress=progress,
-                       failure=self.failure, checkpoint=self.checkpoint_config, metrics_path=self.metrics_path)
+                       failure=self.failure, checkpoint=self.checkpoint_config, metrics_path=self.metrics_path,
+                       evaluation=FitEvaluation.of(eval_data, eval_every, eval_metric_fn, batch_size))
+
+    # --- evaluation and inference ([Note: inference calls] in zeroray/inference.py) ----------
+
+    def evaluate(self, data: Any, metric_fn: Optional[Callable] = None, batch_size: Optional[int] = None
+                 ) -> Dict[str, float]:
+        """The model's loss (and metrics) on ``data``, without training: ``{"loss": ..., **metrics}``.
+
+        ``data``: an iterable of global batches (each split evenly over the workers, as in
+        ``step``), or a ``ray.data.Dataset`` read in global batches of ``batch_size`` rows (the
+        last partial one dropped). Every worker runs ``loss_fn(model, its rows)``, and
+        ``metric_fn(model, its rows)`` (a dict of floats or 0-dim tensors) if given, with the model
+        in ``eval()`` mode under ``torch.no_grad()``. Per batch, each value is the mean over the
+        workers (the training loss's semantics, as DDP's), then the mean over the batches.
+        Touches no optimizer state, step count or gradient, and leaves stage 3's prefetch trace
+        as it was.
+        """
+        if metric_fn is not None and not callable(metric_fn):
+            raise ValueError("metric_fn must be a callable (model, batch) -> dict of name -> float, "
+                             f"got {type(metric_fn).__name__}")
+        if metric_fn is not None:
+            ship_by_value(metric_fn)
+        return self.controller.evaluate(data, metric_fn, batch_size)
+
+    def run(self, fn: Callable, *args: Any) -> Any:
+        """``fn(model, *args)`` on every worker with the sharded model in ``eval()`` mode under
+        ``torch.no_grad()``; returns rank 0's result (its tensors on the CPU).
+
+        For inference and sampling: ``trainer.run(lambda m, ids: m.generate(ids, max_new_tokens=20),
+        ids)``. Tensors in ``args`` arrive on each worker's device. Under stage 3 every parameter
+        fetch is agreed with the other workers, so the workers' ``fn`` may run different numbers
+        of forwards (generation stopping at different lengths) and none waits forever on another;
+        ``zeroray.worker_context()`` inside ``fn`` gives the worker's rank. An error in ``fn`` on
+        any worker raises here, as a step's would. Trains nothing.
+        """
+        if not callable(fn):
+            raise ValueError(f"run needs a callable fn(model, *args), got {type(fn).__name__}")
+        ship_by_value(fn)
+        return self.controller.run(fn, args)
 
     # --- inspection ------------------------------------------------------------------------
 
@@ -194,7 +246,8 @@ class Trainer:
                        f"e.g. {self.controller.state_dict_keys[:5]}")
 
     def comm_report(self) -> List[Dict[str, Any]]:
-        """Per worker, for the last step: bytes and calls per collective, exposed wait, prefetch hits."""
+        """Per worker, for the last step: bytes and calls per collective, exposed wait, prefetch hits
+        (an ``evaluate`` or ``run`` after that step adds its own collectives and fetches to these)."""
         return self._on_workers("comm_report")
 
     def memory_report(self) -> List[Dict[str, Any]]:

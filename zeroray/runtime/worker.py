@@ -125,6 +125,19 @@ class Worker:
                 "loss_scale": stats.loss_scale, "time_s": stats.time_s,
                 "hops": {"actor_start": self._arrived.at, "engine_start": t_engine, "engine_end": t_engine_end}}
 
+    # --- evaluation and inference ([Note: inference calls] in inference.py) --------------------
+
+    @engine_call
+    def evaluate(self, batch: Any, metric_fn: Optional[Callable]) -> Dict[str, float]:
+        """``loss_fn`` (and ``metric_fn``) on this rank's share of an evaluation batch (a PackedBatch)."""
+        return self.memory.step(self.engine.evaluate, unpack(batch), metric_fn)
+
+    @engine_call
+    def run(self, fn: Callable, args: Tuple[Any, ...]) -> Any:
+        """``fn(model, *args)`` on this rank; the result of rank 0 only (the driver returns that one)."""
+        result = self.memory.step(self.engine.run, fn, *args)
+        return result if self.rank == 0 else None
+
     # --- Ray Data input (runtime/data.py) ------------------------------------------------------
 
     @engine_call
