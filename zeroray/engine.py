@@ -229,26 +229,34 @@ class Engine:
     def _local_spans(self, named, param_groups) -> List[Tuple[int, int, dict]]:
         """(start, end, overrides) of each parameter's piece in the master tensor, in order."""
         spans = []
-        for name in self.layout.param_names:
+        for name, (start, end) in self._param_spans().items():
             overrides = dict(param_groups(name, named[name]) or {}) if param_groups else {}
             if "params" in overrides:
                 raise ValueError(f"param_groups({name!r}) returned a 'params' key: return only the "
                                  "overrides (lr, weight_decay, ...) for that parameter")
+            spans.append((start, end, overrides))
+        return spans
+
+    def _param_spans(self) -> Dict[str, Tuple[int, int]]:
+        """[start, end) of each parameter's piece in the master tensor, in order (the pieces this
+        rank holds: all at stage 0)."""
+        spans = {}
+        for name in self.layout.param_names:
             slot = self.layout.slots[name]
-            unit = self.layout.units[slot.unit]
             if not self.policy.keeps_param_shard:
-                start = unit.full_offset + slot.offset
-                spans.append((start, start + slot.numel, overrides))
+                start = self.layout.units[slot.unit].full_offset + slot.offset
+                spans[name] = (start, start + slot.numel)
             else:
                 start, lo, hi = self.layout.param_shard_range(name, self.rank)
                 if hi > lo:
-                    spans.append((start, start + hi - lo, overrides))
+                    spans[name] = (start, start + hi - lo)
         return spans
 
     def _build_optimizer(self, spec, named, param_groups, scheduler) -> None:
         segments = build_segments(self._local_spans(named, param_groups), self.master.numel(),
                                   breaks=self.master.breaks())
-        self.optimizer = ShardedOptimizer(spec, self.master, self.grad, segments, self.zero.max_grad_norm, scheduler)
+        self.optimizer = ShardedOptimizer(spec, self.master, self.grad, segments, self.zero.max_grad_norm, scheduler,
+                                          param_spans=self._param_spans())
 
     def _hooked_modules(self) -> Tuple[List[torch.nn.Module], List[str], List[Tuple[int, ...]]]:
         """Each module object whose forward needs units (once, under its first name) and those units."""
@@ -286,6 +294,7 @@ class Engine:
         self.reducer.hold = not self.group.independent_channels
 
     def _register_grad_hooks(self, named) -> None:
+        self._used = dict.fromkeys(self.layout.param_names, 0.0)
         engine = weakref.ref(self)  # autograd holds the hooks from C++: no strong cycle through them
         for name in self.layout.param_names:
             unit = self.layout.slots[name].unit
@@ -297,6 +306,7 @@ class Engine:
             self._hooks.append(named[name].register_post_accumulate_grad_hook(hook))
 
     def _grad_ready(self, name: str, unit: int, p: torch.Tensor) -> None:
+        self._used[name] = 1.0  # it has a gradient: used ([Note: unused parameters] in flat_pieces.py)
         if not self.reducer.accepting:
             return  # stages 0-1 accumulating: autograd keeps the full gradient until the last micro-batch
         self.reducer.add_grad(name, p.grad)
@@ -333,6 +343,7 @@ class Engine:
         k = self.zero.grad_accum_steps
         self.group.counter.reset()
         self.grad.zero_()
+        self._used = dict.fromkeys(self._used, 0.0)
         if self.coordinator is not None:
             self.coordinator.begin_step()
         scale = self.scaler.scale if self.scaler else 1.0
@@ -355,7 +366,7 @@ class Engine:
             self.grad.mul_(1.0 / (self.world_size * k * scale))
             sumsq = self.optimizer.local_sumsq()
             loss_sum = torch.stack([x.float() for x in losses]).sum()
-        failed, norm, loss_value = self._status(sumsq, loss_sum)
+        failed, norm, loss_value, unused = self._status(sumsq, loss_sum)
         if failed:
             self._drop_grads()
             if failure is not None:
@@ -380,7 +391,7 @@ class Engine:
         if skipped:
             self.optimizer.skip()
         else:
-            self.optimizer.step(norm)
+            self.optimizer.step(norm, unused)
             self._publish()
         self.step_count += 1
         return StepStats(loss_value, norm, self.step_count, skipped,
@@ -433,25 +444,26 @@ class Engine:
                 coordinator.end_micro_batch()
 
     def _status(self, sumsq: Optional[torch.Tensor], loss_sum: Optional[torch.Tensor]
-                ) -> Tuple[List[int], float, float]:
+                ) -> Tuple[List[int], float, float, List[str]]:
         """The step's status all-reduce ([Note: step status] in step_status.py): (ranks whose step
-        failed, global gradient norm, this rank's summed micro-batch losses). ``sumsq`` and
-        ``loss_sum`` are None when this rank's step failed."""
+        failed, global gradient norm, this rank's summed micro-batch losses, the parameters no
+        rank produced a gradient for). ``sumsq`` and ``loss_sum`` are None when this rank's step
+        failed."""
         W = self.world_size
         trace = self.coordinator.status() if self.coordinator is not None else (0.0, 0.0, 0.0)
         # Stage 0 ranks all hold the same full reduced gradient: count its norm once.
         counted = sumsq if self.policy.keeps_param_shard or self.rank == 0 else None
         vec = step_status.encode(W, self.rank, counted, loss_sum, trace, self.bucket_learning.arrivals(),
-                                 self.device)
+                                 self.device, used=list(self._used.values()))
         if W > 1:
             self.waiter.until_complete(self.group.all_reduce(vec, async_op=True, control=True))
-        status = step_status.decode(vec.tolist(), W)
+        status = step_status.decode(vec.tolist(), W, num_params=len(self._used))
         failed = status.failed
         if self.coordinator is not None:
             self.coordinator.end_step(failed=bool(failed), any_exit=status.any_exit, agreed=status.agreed)
         self.bucket_learning.after_step(self.step_count + 1, status.extra, W,
                                         learn=not failed and not status.any_exit)
-        return failed, status.norm, status.ranks[self.rank].loss
+        return failed, status.norm, status.ranks[self.rank].loss, status.unused(list(self._used))
 
     def bucket_stats(self) -> Dict[str, Any]:
         """The gradient buckets of the last step (see BucketLearning.stats)."""
