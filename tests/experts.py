@@ -1,11 +1,12 @@
 """A two-expert model whose rows pick an expert by a data column, and a head it never uses:
-the parameters a step does not use differ from step to step and from rank to rank."""
+which parameters a step leaves unused differs from step to step, rank to rank and
+micro-batch to micro-batch (tests/dist/test_unused_params.py)."""
 import torch
 import torch.nn as nn
 
-from tests.models import DIM, SEQ, VOCAB, make_batches
+from tests.models import DIM, VOCAB, make_batches
 
-NEITHER = 2  # route value of a row that takes no expert
+NEITHER = 2  # the route of a row that takes no expert
 
 
 class ExpertsNet(nn.Module):
@@ -25,7 +26,7 @@ class ExpertsNet(nn.Module):
         out = x
         for e, expert in enumerate(self.experts):
             rows = (route == e).nonzero().flatten()
-            if rows.numel():  # a data-dependent branch: no rows, no use of this expert
+            if rows.numel():  # data-dependent: a batch with no row for this expert does not use it
                 out = out.index_add(0, rows, torch.tanh(expert(x[rows])))
         return self.head(self.norm(out))
 
@@ -34,19 +35,31 @@ def experts_model() -> nn.Module:
     return ExpertsNet()
 
 
-# Per step, the expert each rank's rows take (rank r: PLAN[step][r % 2]): both experts split
-# between the ranks, neither, only expert 0, only expert 1, ...
-PLAN = [(0, 1), (NEITHER, NEITHER), (0, 0), (1, 0), (NEITHER, NEITHER), (1, 1), (0, 1), (1, NEITHER)]
+# Per step, the route of each part of the global batch (part q, counted over workers x
+# micro-batches in the order the engine splits them, takes entry q % len): both experts
+# split between the parts; neither; expert 0 everywhere; expert 1 in the first part only
+# (worker 0's first micro-batch) and neither elsewhere; expert 1 in every other part; both.
+PLAN = [(0, 1), (NEITHER,), (0,), (1, NEITHER, NEITHER, NEITHER), (NEITHER, 1), (0, 1)]
 
 
-def expert_batches(steps: int, world: int, batch: int = 12, plan=PLAN):
-    """Global batches whose rows of rank r (the harness's even split) route by ``plan``."""
+def expert_batches(steps: int, parts: int, batch: int = 12, plan=PLAN):
+    """Global batches whose ``parts`` equal parts (workers x micro-batches) route by ``plan``."""
     out = []
-    rows = batch // world
+    rows = batch // parts
     for step, (idx, tgt) in enumerate(make_batches(steps, batch=batch)):
         idx = idx.clone()
-        for r in range(world):
-            choice = plan[step % len(plan)][r % 2]
-            idx[r * rows:(r + 1) * rows, 0] = choice
+        routes = plan[step % len(plan)]
+        for q in range(parts):
+            idx[q * rows:(q + 1) * rows, 0] = routes[q % len(routes)]
         out.append((idx, tgt))
     return out
+
+
+def unused_in(batch) -> set:
+    """The parameter names a global batch leaves without a gradient (the head always)."""
+    route = set((batch[0][:, 0] % 3).tolist())
+    names = {"unused_head.weight", "unused_head.bias"}
+    for e in range(2):
+        if e not in route:
+            names |= {f"experts.{e}.weight", f"experts.{e}.bias"}
+    return names

@@ -18,14 +18,17 @@ no copy; in mixed precision it is a contiguous fp32 shard. Gradients leave autog
 through a post-accumulate hook and go straight into the coalescing buckets
 (comm/buckets.py), which all-reduce (stage 0) or reduce-scatter (stages 1-3) them into the
 fp32 gradient. Stages 0 and 1 with gradient accumulation let autograd accumulate full
-gradients locally and reduce once, on the last micro-batch; stages 2 and 3 reduce-scatter
+gradients locally and reduce once, on the last micro-batch (also those of parameters that
+micro-batch did not use); stages 2 and 3 reduce-scatter
 every micro-batch into the fp32 shard, so the accumulated gradient only ever exists as the
 owner's shard ([Note: stage policy]).
 
 One step: every micro-batch runs ``loss_fn`` and backward with the coordinator fetching
 units (fetch.py) and the buckets reducing gradients; then one status all-reduce carries the
-squared gradient norm and every rank's outcome ([Note: step outcome] in errors.py); then the
-optimizer updates the master, and the update is published to the full parameters.
+squared gradient norm, every rank's outcome ([Note: step outcome] in errors.py) and which
+parameters each rank produced a gradient for; then the optimizer updates the master, skipping
+the parameters no rank used ([Note: unused parameters] in flat_pieces.py), and the update is
+published to the full parameters.
 """
 from __future__ import annotations
 
@@ -295,6 +298,7 @@ class Engine:
 
     def _register_grad_hooks(self, named) -> None:
         self._used = dict.fromkeys(self.layout.param_names, 0.0)
+        self._trained = {name: named[name] for name in self.layout.param_names}
         engine = weakref.ref(self)  # autograd holds the hooks from C++: no strong cycle through them
         for name in self.layout.param_names:
             unit = self.layout.slots[name].unit
@@ -423,9 +427,18 @@ class Engine:
         if self.coordinator is not None:
             self.coordinator.finish_backward()
         if reduce_now:
+            if index > 0 and not self.policy.reduce_every_micro_batch:
+                self._reduce_accumulated()
             self.reducer.finish()
         if self.coordinator is not None:
             self.coordinator.end_micro_batch()
+
+    def _reduce_accumulated(self) -> None:
+        """Stages 0-1, last micro-batch: a parameter used in an earlier micro-batch but not in
+        this one holds its accumulated gradient still (its hook did not fire now): reduce it too."""
+        for name, p in self._trained.items():
+            if p.grad is not None:
+                self._grad_ready(name, self.layout.slots[name].unit, p)
 
     def _abort(self, current: int, k: int) -> None:
         """This rank's code raised in micro-batch ``current``: take part in every collective its

@@ -41,7 +41,7 @@ from zeroray.local_shard import LocalShard
 
 
 @dataclass
-class Piece:
+class FlatPiece:
     start: int
     end: int
     param: torch.nn.Parameter
@@ -64,10 +64,10 @@ class FlatPieces:
         self.index = {name: i for i, name in enumerate(self.names)}
         self.inner: Any = None  # the torch optimizer, once built over the first pieces
 
-    def _piece(self, start: int, end: int) -> Piece:
+    def _piece(self, start: int, end: int) -> FlatPiece:
         p = torch.nn.Parameter(self.master[start:end])
         p.grad = self.grad[start:end]
-        return Piece(start, end, p)
+        return FlatPiece(start, end, p)
 
     @property
     def params(self) -> List[torch.nn.Parameter]:
@@ -76,7 +76,7 @@ class FlatPieces:
     def span_of(self, name: str) -> Tuple[int, int]:
         return self.spans[self.index[name]]
 
-    def params_in(self, piece: Piece) -> List[str]:
+    def params_in(self, piece: FlatPiece) -> List[str]:
         """The parameters whose local span starts in ``piece``."""
         return self.names[bisect.bisect_left(self.starts, piece.start):bisect.bisect_left(self.starts, piece.end)]
 
@@ -95,7 +95,7 @@ class FlatPieces:
 
     def split(self, cuts: Sequence[int]) -> None:
         """Split every piece that a cut falls strictly inside, carrying its state."""
-        out: List[Piece] = []
+        out: List[FlatPiece] = []
         for pc in self.pieces:
             inside = [c for c in cuts if pc.start < c < pc.end]
             if not inside:
@@ -152,7 +152,7 @@ class FlatPieces:
     @contextlib.contextmanager
     def skipping(self, unused: Sequence[str]) -> Iterator[None]:
         """Within: the pieces holding only parameters in ``unused`` have no gradient."""
-        skipped: List[Piece] = []
+        skipped: List[FlatPiece] = []
         if unused:
             held = [n for n in unused if n in self.index]
             if held:
@@ -168,7 +168,7 @@ class FlatPieces:
                 pc.param.grad = self.grad[pc.start:pc.end]
 
 
-def _slice_state(state: Dict[str, Any], old: Piece, new: Piece) -> Dict[str, Any]:
+def _slice_state(state: Dict[str, Any], old: FlatPiece, new: FlatPiece) -> Dict[str, Any]:
     """``new``'s share of ``old``'s state: views of the per-element tensors, copies of the rest."""
     a, b = new.start - old.start, new.end - old.start
     out: Dict[str, Any] = {}

@@ -10,6 +10,10 @@ elements (per-tensor norms, as in LAMB) would not match the unsharded run; see R
 When the master is not one tensor (stages 1-2 in fp32: the rank's rows of the parameter
 arena, [Note: local shard] in local_shard.py), segments are also cut where its pieces
 meet, one unit's slice each, so every segment is a view and the update lands in place.
+A step that leaves some parameters without a gradient on every rank splits the segments
+holding them into flat pieces, so that the inner optimizer skips exactly those parameters
+([Note: unused parameters] in flat_pieces.py); checkpoints then carry the scalar state per
+element ([Note: per-element state]).
 
 The same class serves stage 0, where the "shard" is the whole model.
 """
@@ -134,6 +138,16 @@ class ShardedOptimizer:
     def flat_params(self) -> List[torch.nn.Parameter]:
         """The flat parameters the inner optimizer steps (one per segment until a split)."""
         return self.pieces.params
+
+    def param_state(self, name: str) -> Optional[Dict[str, Any]]:
+        """The inner optimizer's state of the piece holding this rank's part of parameter
+        ``name``; None when it has none (torch keeps none for a parameter never updated) or
+        this rank holds none of that parameter."""
+        if name not in self.pieces.index:
+            return None
+        start = self.pieces.span_of(name)[0]
+        piece = next(pc for pc in self.pieces.pieces if pc.start <= start < pc.end)
+        return self.inner.state.get(piece.param)
 
     def local_sumsq(self) -> torch.Tensor:
         """Squared L2 norm of this rank's (already averaged) gradient, a 0-dim fp32 tensor; the

@@ -2,17 +2,17 @@
 all-reduce.
 
 [Note: step status]
-One float64 vector, all-reduced with a sum, carries [the sum of squared gradient norms, then
-per rank: failed, left the plan, events recorded, their digest, its summed loss, then one
-slot per trainable parameter (``layout.param_names`` order): 1 where this rank's backward
-produced a gradient for it in some micro-batch of the step, then the gradient buckets' share
-(comm/bucket_learning.py)]. Each rank writes only its own slots (or, in the shared slots, its
-own count), so the sum hands every rank every other rank's values. Reading it is the step's
-one host synchronisation: the loss travels in it rather than through a ``float(loss)`` of its
+One float64 vector, all-reduced with a sum, carries [the sum of squared gradient norms; per
+rank: failed, left the plan, events recorded, their digest, its summed loss; one slot per
+trainable parameter (``layout.param_names`` order), where each rank adds 1 if its backward
+produced a gradient for that parameter in some micro-batch of the step; the gradient
+buckets' share (comm/bucket_learning.py)]. Each rank writes only its own slots (or adds its
+count), so the sum hands every rank every other rank's values. Reading it is the step's one
+host synchronisation: the loss travels in it rather than through a ``float(loss)`` of its
 own, which on a GPU would drain the queue ahead of backward. It decides the step outcome
 ([Note: step outcome] in errors.py), whether the stage-3 trace is adopted, which parameters
-no rank used (a sum of 0: the optimizer skips them, [Note: unused parameters] in optim.py),
-and what the bucket tuner learns.
+no rank used (a sum of 0: the optimizer skips them, [Note: unused parameters] in
+flat_pieces.py), and what the bucket tuner learns.
 """
 from __future__ import annotations
 
