@@ -10,7 +10,8 @@ NEITHER = 2  # the route of a row that takes no expert
 
 
 class ExpertsNet(nn.Module):
-    """Row i takes expert ``idx[i, 0] % 3`` (2: none); ``unused_head`` is never called."""
+    """Row i takes expert ``idx[i, 0] % 3`` (2: none); ``unused_head`` is never called;
+    ``zero_gate`` is used with an all-zero gradient (used all the same, as in torch)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -19,6 +20,7 @@ class ExpertsNet(nn.Module):
         self.unused_head = nn.Linear(DIM, VOCAB)
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB)
+        self.zero_gate = nn.Parameter(torch.ones(DIM))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)
@@ -28,7 +30,7 @@ class ExpertsNet(nn.Module):
             rows = (route == e).nonzero().flatten()
             if rows.numel():  # data-dependent: a batch with no row for this expert does not use it
                 out = out.index_add(0, rows, torch.tanh(expert(x[rows])))
-        return self.head(self.norm(out))
+        return self.head(self.norm(out + 0.0 * self.zero_gate))
 
 
 def experts_model() -> nn.Module:

@@ -126,8 +126,8 @@ class ShardedOptimizer:
         # pieces' per-element state may then differ, and is exported per element.
         self.uneven = False
         groups = [{"params": [p], **dict(seg.overrides)} for seg, p in zip(segments, self.pieces.params)]
-        builder = spec.build if hasattr(spec, "build") else spec
-        self.inner = builder(groups)
+        self.builder = spec.build if hasattr(spec, "build") else spec
+        self.inner = self.builder(groups)
         if not isinstance(self.inner, torch.optim.Optimizer):
             raise ValueError(f"the optimizer spec returned {type(self.inner).__name__}, not a torch.optim.Optimizer: "
                              "pass zr.AdamW(...) or a callable params -> torch.optim.Optimizer")
@@ -190,10 +190,13 @@ class ShardedOptimizer:
         pieces = self.pieces.pieces
         states = [self.inner.state.get(pc.param) or {} for pc in pieces]
         keys: Dict[str, None] = dict.fromkeys(k for state in states for k in state)
+        probed = self._probe_stateless_groups() if self.uneven else {}
+        keys.update(dict.fromkeys(probed))
         per_element: List[str] = []
         for k in keys:
             held = [(pc, state[k]) for pc, state in zip(pieces, states) if k in state]
-            if all(isinstance(v, torch.Tensor) and v.shape == pc.param.shape for pc, v in held):
+            if held and all(isinstance(v, torch.Tensor) and v.shape == pc.param.shape for pc, v in held) \
+                    or not held and probed[k]:
                 flat = torch.zeros(n, dtype=torch.float32)
                 for pc, v in held:
                     flat[pc.start:pc.end] = v.detach().float().cpu()
@@ -241,8 +244,11 @@ class ShardedOptimizer:
         non-zero: ``step`` counts from 1 once a parameter was updated; an optimizer without
         scalar state (SGD) has all-zero state only for a parameter it never updated, or one
         whose every gradient was exactly zero, whose next update is then the same unless
-        SGD's dampening is set. A checkpoint from before (or from a run where every
-        parameter was always used) has one scalar per key, and every piece gets it.
+        SGD's dampening is set. A rank none of whose parameters in a param group was ever
+        updated has no state there to read the keys from, so it learns them from a probe
+        (``_probe_stateless_groups``), and writes zeros. A checkpoint from before (or from a
+        run where every parameter was always used) has one scalar per key, and every piece
+        gets it.
         """
         per_element = scalars.get("optim_per_element")
         flats = {name[6:]: flat for name, flat in tensors.items() if name.startswith("optim.")}
@@ -285,6 +291,23 @@ class ShardedOptimizer:
             sd.update(scalars["scheduler"])
             sd["_last_lr"] = [g["lr"] for g in self.inner.param_groups]
             self.scheduler.load_state_dict(sd)
+
+    def _probe_stateless_groups(self) -> Dict[str, bool]:
+        """The state keys (-> whether per element) of the param groups none of whose pieces has
+        state here yet (their parameters never updated), so that this rank exports the keys its
+        peers do ([Note: per-element state]): torch creates state lazily, so they are learnt from
+        a one-element probe parameter stepped by an optimizer the spec builds for that group."""
+        keys: Dict[str, bool] = {}
+        for group, seg in zip(self.inner.param_groups, self.segments):
+            if any(self.inner.state.get(p) for p in group["params"]):
+                continue
+            probe = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32, device=self.grad.device))
+            probe.grad = torch.zeros_like(probe)
+            optimizer = self.builder([{"params": [probe], **dict(seg.overrides)}])
+            optimizer.step()
+            for k, v in optimizer.state.get(probe, {}).items():
+                keys[k] = isinstance(v, torch.Tensor) and v.shape == probe.shape
+        return keys
 
     @staticmethod
     def _piece_signature(flats: Dict[str, torch.Tensor], per_element: Sequence[str]

@@ -72,6 +72,9 @@ def check_like_torch(ref, results, params):
     for name in HEAD:
         assert torch.equal(params[name], initial[name].reshape(-1)), f"{name} moved"
         assert steps[name] is None
+    # Used with a zero gradient: torch updates it (weight decay) and counts its steps.
+    assert steps["zero_gate"] == STEPS
+    assert not torch.equal(params["zero_gate"], initial["zero_gate"])
     for r, res in enumerate(results):
         held = res["inspect"]["steps"]
         assert held, f"rank {r} holds no parameter"
@@ -118,7 +121,8 @@ def _save(root):
     def save(engine):
         from zeroray.checkpoint import write_shard
 
-        return write_shard(root, engine.step_count, engine.rank, *engine.export_state()), engine.layout.to_dict()
+        state = engine.export_state()
+        return write_shard(root, engine.step_count, engine.rank, *state), engine.layout.to_dict(), state
     return save
 
 
@@ -130,10 +134,26 @@ def _restore(root):
     return restore
 
 
+def _resize(old_layout, old_states):
+    """A resize's transfer ([Note: resize transfer]): this rank's pieces of every old rank's state."""
+    def resize(engine):
+        from zeroray.arena import FlatLayout
+        from zeroray.runtime.state_transfer import PieceAssembler, cut_pieces
+
+        layout, rank = engine.state_layout()
+        assembler = PieceAssembler(layout)
+        for old_rank, (tensors, scalars) in enumerate(old_states):
+            assembler.add(cut_pieces(FlatLayout.from_dict(old_layout), old_rank, tensors, scalars,
+                                     [(layout.to_dict(), rank)])[0])
+        engine.import_state(*assembler.state())
+    return resize
+
+
 def test_save_after_skipped_steps_and_restore_at_another_size():
     """Three steps at 3 workers (stage 3) leave the experts with different step counts and the
     head with no state; the checkpoint carries them per element ("optim.step"), and 2 workers
-    at stages 0, 1 and 3 go on from it exactly like one uninterrupted torch run."""
+    at stages 0, 1 and 3 go on from it (and at stage 2 from a resize's in-memory transfer)
+    exactly like one uninterrupted torch run."""
     from zeroray.checkpoint import commit, load_manifest
 
     split = 3
@@ -149,17 +169,19 @@ def test_save_after_skipped_steps_and_restore_at_another_size():
         manifest = load_manifest(path)
         assert "optim.step" in manifest.sharded_keys
         assert manifest.scalars[0]["optim_per_element"] == ["step"]
-        rest = batches[split:]
+        ways = [(0, _restore(path)), (1, _restore(path)), (3, _restore(path)),
+                (2, _resize(results[0]["inspect"][1], [r["inspect"][2] for r in results]))]
         specs = [dict(model_fn=experts_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
-                      zero=zr.ZeroConfig(stage=stage), batches=rest, setup=_restore(path), inspect=optimizer_view)
-                 for stage in (0, 1, 3)]
+                      zero=zr.ZeroConfig(stage=stage), batches=batches[split:], setup=setup, inspect=optimizer_view)
+                 for stage, setup in ways]
         runs = run_engines(2, specs)
-    for stage, (results, params) in zip((0, 1, 3), runs):
+    for (stage, setup), (results, params) in zip(ways, runs):
+        how = f"{'resized' if setup.__name__ == 'resize' else 'restored'} to 2 workers, stage {stage}"
         try:
             diffs = check_like_torch((ref[0][split:], ref[1], ref[2], None), results, params)
-            print(f"restored at 2 workers, stage {stage}: loss rel {diffs[0]:.1e}, params {diffs[1]:.1e}")
+            print(f"{how}: loss rel {diffs[0]:.1e}, params {diffs[1]:.1e}")
         except AssertionError as e:
-            raise AssertionError(f"restored at 2 workers, stage {stage}: {e}") from None
+            raise AssertionError(f"{how}: {e}") from None
 
 
 def _ddp_rank(rank, world, port, batches, out_dir):

@@ -182,3 +182,25 @@ def test_unused_parameters_are_skipped_like_torch_and_survive_export(spec):
             for key, value in ref_state.items():
                 assert torch.equal(state[key].reshape(value.shape), value), (n, key)
     assert len(original.flat_params) == 3 and len(original.inner.param_groups) == 2
+
+
+@pytest.mark.parametrize("spec", [zr.AdamW(lr=1e-2), zr.SGD(lr=1e-2, momentum=0.9)], ids=["adamw", "sgd"])
+def test_a_rank_whose_parameters_were_never_updated_exports_the_same_keys(spec):
+    """Every rank must write the same keys (checkpoint commit, resharding): a rank holding only
+    parameters no step used has no state to read them from, and exports its peers' keys, as
+    zeros (no state), which import back as no state."""
+    spans = {"head": (0, 10)}
+    busy = ShardedOptimizer(spec, torch.zeros(10), torch.ones(10), [Segment(0, 10, ())], None,
+                            param_spans={"used": (0, 10)})
+    idle = ShardedOptimizer(spec, torch.zeros(10), torch.ones(10), [Segment(0, 10, ())], None, param_spans=spans)
+    for _ in range(2):
+        busy.step(1.0, unused=["head"])
+        idle.step(1.0, unused=["head"])
+    assert idle.param_state("head") is None
+    (busy_tensors, busy_scalars), (tensors, scalars) = busy.export_state(), idle.export_state()
+    assert sorted(tensors) == sorted(busy_tensors) and scalars.keys() == busy_scalars.keys()
+    assert scalars["optim_per_element"] == busy_scalars["optim_per_element"]
+    assert all(not t.any() for t in tensors.values())
+    restored = ShardedOptimizer(spec, torch.zeros(10), torch.ones(10), [Segment(0, 10, ())], None, param_spans=spans)
+    restored.import_state(tensors, scalars)
+    assert restored.param_state("head") is None and restored.uneven
