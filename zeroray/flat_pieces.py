@@ -96,8 +96,9 @@ class FlatPieces:
     def split(self, cuts: Sequence[int]) -> None:
         """Split every piece that a cut falls strictly inside, carrying its state."""
         out: List[FlatPiece] = []
+        cuts = sorted(cuts)
         for pc in self.pieces:
-            inside = [c for c in cuts if pc.start < c < pc.end]
+            inside = cuts[bisect.bisect_right(cuts, pc.start):bisect.bisect_left(cuts, pc.end)]
             if not inside:
                 out.append(pc)
                 continue

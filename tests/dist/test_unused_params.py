@@ -84,22 +84,25 @@ def check_like_torch(ref, results, params):
     return loss, max((params[k].reshape(v.shape) - v).abs().max().item() for k, v in state.items())
 
 
-_RUNS = {}
+@pytest.fixture(scope="module")
+def engine_runs():
+    """world -> (batches by grad_accum_steps, every case of CASES at ``world`` workers), each run
+    once per module (process start-up dominates)."""
+    done = {}
 
-
-def engine_runs(world):
-    """Every case of CASES at ``world`` workers, once per module (process start-up dominates)."""
-    if world not in _RUNS:
-        batches = {k: expert_batches(STEPS, world * k) for k in {k for _, k in CASES}}
-        specs = [dict(model_fn=experts_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
-                      zero=zr.ZeroConfig(stage=stage, grad_accum_steps=k), batches=batches[k],
-                      inspect=optimizer_view) for stage, k in CASES]
-        _RUNS[world] = (batches, run_engines(world, specs))
-    return _RUNS[world]
+    def runs(world):
+        if world not in done:
+            batches = {k: expert_batches(STEPS, world * k) for k in {k for _, k in CASES}}
+            specs = [dict(model_fn=experts_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
+                          zero=zr.ZeroConfig(stage=stage, grad_accum_steps=k), batches=batches[k],
+                          inspect=optimizer_view) for stage, k in CASES]
+            done[world] = (batches, run_engines(world, specs))
+        return done[world]
+    return runs
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_unused_parameters_train_exactly_as_in_torch(world):
+def test_unused_parameters_train_exactly_as_in_torch(engine_runs, world):
     batches, runs = engine_runs(world)
     refs = {k: torch_run(b) for k, b in batches.items()}
     for k, ref in refs.items():  # the data does what the plan says: some steps leave experts unused
@@ -208,7 +211,7 @@ def _ddp_rank(rank, world, port, batches, out_dir):
         raise
 
 
-def test_equals_torch_ddp_with_find_unused_parameters():
+def test_equals_torch_ddp_with_find_unused_parameters(engine_runs):
     """Torch DDP (gloo, find_unused_parameters=True) on 2 ranks: a parameter no rank used keeps
     .grad None on every rank (one used on one rank only gets the average), and zeroray's
     weights (stage 3, the negotiated path) equal DDP's."""
