@@ -72,19 +72,16 @@ def make_batches(steps: int, batch: int = 12, seed: int = 123):
 
 
 def reference_run(model_fn, loss_fn, make_optimizer, batches, seed=0, max_grad_norm=None, scheduler=None,
-                  accum=1, unused_as_zero=False):
-    """Plain single-process PyTorch training on the same global batches."""
+                  accum=1):
+    """Plain single-process PyTorch training on the same global batches. A parameter no
+    backward of a step reached keeps ``.grad`` None and the optimizer skips it (zeroray too)."""
     torch.manual_seed(seed)
     model = model_fn()
     opt = make_optimizer(model)
     sched = scheduler(opt) if scheduler else None
     losses, norms = [], []
     for batch in batches:
-        opt.zero_grad(set_to_none=not unused_as_zero)
-        if unused_as_zero:  # DDP/FSDP semantics: a parameter unused in a step has a zero gradient
-            for p in model.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+        opt.zero_grad(set_to_none=True)
         n = batch[0].shape[0] // accum
         total = 0.0
         for i in range(accum):

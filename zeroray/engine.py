@@ -18,14 +18,17 @@ no copy; in mixed precision it is a contiguous fp32 shard. Gradients leave autog
 through a post-accumulate hook and go straight into the coalescing buckets
 (comm/buckets.py), which all-reduce (stage 0) or reduce-scatter (stages 1-3) them into the
 fp32 gradient. Stages 0 and 1 with gradient accumulation let autograd accumulate full
-gradients locally and reduce once, on the last micro-batch; stages 2 and 3 reduce-scatter
+gradients locally and reduce once, on the last micro-batch (also those of parameters that
+micro-batch did not use); stages 2 and 3 reduce-scatter
 every micro-batch into the fp32 shard, so the accumulated gradient only ever exists as the
 owner's shard ([Note: stage policy]).
 
 One step: every micro-batch runs ``loss_fn`` and backward with the coordinator fetching
 units (fetch.py) and the buckets reducing gradients; then one status all-reduce carries the
-squared gradient norm and every rank's outcome ([Note: step outcome] in errors.py); then the
-optimizer updates the master, and the update is published to the full parameters.
+squared gradient norm, every rank's outcome ([Note: step outcome] in errors.py) and which
+parameters each rank produced a gradient for; then the optimizer updates the master, skipping
+the parameters no rank used ([Note: unused parameters] in flat_pieces.py), and the update is
+published to the full parameters.
 """
 from __future__ import annotations
 
@@ -218,26 +221,34 @@ class Engine:
     def _local_spans(self, named, param_groups) -> List[Tuple[int, int, dict]]:
         """(start, end, overrides) of each parameter's piece in the master tensor, in order."""
         spans = []
-        for name in self.layout.param_names:
+        for name, (start, end) in self._param_spans().items():
             overrides = dict(param_groups(name, named[name]) or {}) if param_groups else {}
             if "params" in overrides:
                 raise ValueError(f"param_groups({name!r}) returned a 'params' key: return only the "
                                  "overrides (lr, weight_decay, ...) for that parameter")
+            spans.append((start, end, overrides))
+        return spans
+
+    def _param_spans(self) -> Dict[str, Tuple[int, int]]:
+        """[start, end) of each parameter's piece in the master tensor, in order (the pieces this
+        rank holds: all at stage 0)."""
+        spans = {}
+        for name in self.layout.param_names:
             slot = self.layout.slots[name]
-            unit = self.layout.units[slot.unit]
             if not self.policy.keeps_param_shard:
-                start = unit.full_offset + slot.offset
-                spans.append((start, start + slot.numel, overrides))
+                start = self.layout.units[slot.unit].full_offset + slot.offset
+                spans[name] = (start, start + slot.numel)
             else:
                 start, lo, hi = self.layout.param_shard_range(name, self.rank)
                 if hi > lo:
-                    spans.append((start, start + hi - lo, overrides))
+                    spans[name] = (start, start + hi - lo)
         return spans
 
     def _build_optimizer(self, spec, named, param_groups, scheduler) -> None:
         segments = build_segments(self._local_spans(named, param_groups), self.master.numel(),
                                   breaks=self.master.breaks())
-        self.optimizer = ShardedOptimizer(spec, self.master, self.grad, segments, self.zero.max_grad_norm, scheduler)
+        self.optimizer = ShardedOptimizer(spec, self.master, self.grad, segments, self.zero.max_grad_norm, scheduler,
+                                          param_spans=self._param_spans())
 
     def _hooked_modules(self) -> Tuple[List[torch.nn.Module], List[str], List[Tuple[int, ...]]]:
         """Each module object whose forward needs units (once, under its first name) and those units."""
@@ -275,6 +286,8 @@ class Engine:
         self.reducer.hold = not self.group.independent_channels
 
     def _register_grad_hooks(self, named) -> None:
+        self._used = dict.fromkeys(self.layout.param_names, 0.0)
+        self._trained = {name: named[name] for name in self.layout.param_names}
         engine = weakref.ref(self)  # autograd holds the hooks from C++: no strong cycle through them
         for name in self.layout.param_names:
             unit = self.layout.slots[name].unit
@@ -286,6 +299,7 @@ class Engine:
             self._hooks.append(named[name].register_post_accumulate_grad_hook(hook))
 
     def _grad_ready(self, name: str, unit: int, p: torch.Tensor) -> None:
+        self._used[name] = 1.0  # it has a gradient: used ([Note: unused parameters] in flat_pieces.py)
         if not self.reducer.accepting:
             return  # stages 0-1 accumulating: autograd keeps the full gradient until the last micro-batch
         self.reducer.add_grad(name, p.grad)
@@ -323,6 +337,7 @@ class Engine:
         k = self.zero.grad_accum_steps
         self.group.counter.reset()
         self.grad.zero_()
+        self._used = dict.fromkeys(self._used, 0.0)
         if self.coordinator is not None:
             self.coordinator.begin_step()
         scale = self.scaler.scale if self.scaler else 1.0
@@ -345,7 +360,7 @@ class Engine:
             self.grad.mul_(1.0 / (self.world_size * k * scale))
             sumsq = self.optimizer.local_sumsq()
             loss_sum = torch.stack([x.float() for x in losses]).sum()
-        failed, norm, loss_value = self._status(sumsq, loss_sum)
+        failed, norm, loss_value, unused = self._status(sumsq, loss_sum)
         if failed:
             self._drop_grads()
             if failure is not None:
@@ -370,7 +385,7 @@ class Engine:
         if skipped:
             self.optimizer.skip()
         else:
-            self.optimizer.step(norm)
+            self.optimizer.step(norm, unused)
             self._publish()
         self.step_count += 1
         return StepStats(loss_value, norm, self.step_count, skipped,
@@ -398,9 +413,18 @@ class Engine:
         if self.coordinator is not None:
             self.coordinator.finish_backward()
         if reduce_now:
+            if index > 0 and not self.policy.reduce_every_micro_batch:
+                self._reduce_accumulated()
             self.reducer.finish()
         if self.coordinator is not None:
             self.coordinator.end_micro_batch()
+
+    def _reduce_accumulated(self) -> None:
+        """Stages 0-1, last micro-batch: a parameter used in an earlier micro-batch but not in
+        this one holds its accumulated gradient still (its hook did not fire now): reduce it too."""
+        for name, p in self._trained.items():
+            if p.grad is not None:
+                self._grad_ready(name, self.layout.slots[name].unit, p)
 
     def _abort(self, current: int, k: int) -> None:
         """This rank's code raised in micro-batch ``current``: take part in every collective its
@@ -419,25 +443,26 @@ class Engine:
                 coordinator.end_micro_batch()
 
     def _status(self, sumsq: Optional[torch.Tensor], loss_sum: Optional[torch.Tensor]
-                ) -> Tuple[List[int], float, float]:
+                ) -> Tuple[List[int], float, float, List[str]]:
         """The step's status all-reduce ([Note: step status] in step_status.py): (ranks whose step
-        failed, global gradient norm, this rank's summed micro-batch losses). ``sumsq`` and
-        ``loss_sum`` are None when this rank's step failed."""
+        failed, global gradient norm, this rank's summed micro-batch losses, the parameters no
+        rank produced a gradient for). ``sumsq`` and ``loss_sum`` are None when this rank's step
+        failed."""
         W = self.world_size
         trace = self.coordinator.status() if self.coordinator is not None else (0.0, 0.0, 0.0)
         # Stage 0 ranks all hold the same full reduced gradient: count its norm once.
         counted = sumsq if self.policy.keeps_param_shard or self.rank == 0 else None
         vec = step_status.encode(W, self.rank, counted, loss_sum, trace, self.bucket_learning.arrivals(),
-                                 self.device)
+                                 self.device, used=list(self._used.values()))
         if W > 1:
             self.waiter.until_complete(self.group.all_reduce(vec, async_op=True, control=True))
-        status = step_status.decode(vec.tolist(), W)
+        status = step_status.decode(vec.tolist(), W, num_params=len(self._used))
         failed = status.failed
         if self.coordinator is not None:
             self.coordinator.end_step(failed=bool(failed), any_exit=status.any_exit, agreed=status.agreed)
         self.bucket_learning.after_step(self.step_count + 1, status.extra, W,
                                         learn=not failed and not status.any_exit)
-        return failed, status.norm, status.ranks[self.rank].loss
+        return failed, status.norm, status.ranks[self.rank].loss, status.unused(list(self._used))
 
     def bucket_stats(self) -> Dict[str, Any]:
         """The gradient buckets of the last step (see BucketLearning.stats)."""

@@ -10,6 +10,10 @@ elements (per-tensor norms, as in LAMB) would not match the unsharded run; see R
 When the master is not one tensor (stages 1-2 in fp32: the rank's rows of the parameter
 arena, [Note: local shard] in local_shard.py), segments are also cut where its pieces
 meet, one unit's slice each, so every segment is a view and the update lands in place.
+A step that leaves some parameters without a gradient on every rank splits the segments
+holding them into flat pieces, so that the inner optimizer skips exactly those parameters
+([Note: unused parameters] in flat_pieces.py); checkpoints then carry the scalar state per
+element ([Note: per-element state]).
 
 The same class serves stage 0, where the "shard" is the whole model.
 """
@@ -17,10 +21,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from zeroray.flat_pieces import FlatPieces
 from zeroray.local_shard import LocalShard
 
 
@@ -105,27 +110,44 @@ def _merge_spans(spans: Sequence[Tuple[int, int, Dict[str, Any]]], total: int) -
 
 class ShardedOptimizer:
     """An inner torch optimizer over this rank's flat fp32 master, by segments ([Note: flat
-    optimizer]), with global-norm clipping and an optional LR scheduler."""
+    optimizer]), with global-norm clipping and an optional LR scheduler. ``param_spans``: the
+    local [start, end) of each parameter this rank holds, by name, so that a parameter no rank
+    used in a step can be skipped ([Note: unused parameters] in flat_pieces.py)."""
 
     def __init__(self, spec: Any, master: Union[torch.Tensor, LocalShard], grad: torch.Tensor,
                  segments: List[Segment], max_grad_norm: Optional[float],
-                 scheduler_fn: Optional[Callable[[Any], Any]] = None) -> None:
+                 scheduler_fn: Optional[Callable[[Any], Any]] = None,
+                 param_spans: Optional[Mapping[str, Tuple[int, int]]] = None) -> None:
         # 1D fp32 each; a LocalShard master is viewed one segment at a time ([Note: local shard])
         self.master, self.grad, self.segments = master, grad, segments
         self.max_grad_norm = max_grad_norm
-        self.flat_params: List[torch.nn.Parameter] = []
-        groups = []
-        for seg in segments:
-            p = torch.nn.Parameter(master[seg.start:seg.end])
-            p.grad = grad[seg.start:seg.end]
-            self.flat_params.append(p)
-            groups.append({"params": [p], **dict(seg.overrides)})
-        builder = spec.build if hasattr(spec, "build") else spec
-        self.inner = builder(groups)
+        self.pieces = FlatPieces(master, grad, [(seg.start, seg.end) for seg in segments], param_spans or {})
+        # Whether a step has left a parameter unused, on any rank (so on every rank alike): the
+        # pieces' per-element state may then differ, and is exported per element.
+        self.uneven = False
+        groups = [{"params": [p], **dict(seg.overrides)} for seg, p in zip(segments, self.pieces.params)]
+        self.builder = spec.build if hasattr(spec, "build") else spec
+        self.inner = self.builder(groups)
         if not isinstance(self.inner, torch.optim.Optimizer):
             raise ValueError(f"the optimizer spec returned {type(self.inner).__name__}, not a torch.optim.Optimizer: "
                              "pass zr.AdamW(...) or a callable params -> torch.optim.Optimizer")
+        self.pieces.inner = self.inner
         self.scheduler = scheduler_fn(self.inner) if scheduler_fn is not None else None
+
+    @property
+    def flat_params(self) -> List[torch.nn.Parameter]:
+        """The flat parameters the inner optimizer steps (one per segment until a split)."""
+        return self.pieces.params
+
+    def param_state(self, name: str) -> Optional[Dict[str, Any]]:
+        """The inner optimizer's state of the piece holding this rank's part of parameter
+        ``name``; None when it has none (torch keeps none for a parameter never updated) or
+        this rank holds none of that parameter."""
+        if name not in self.pieces.index:
+            return None
+        start = self.pieces.span_of(name)[0]
+        piece = next(pc for pc in self.pieces.pieces if pc.start <= start < pc.end)
+        return self.inner.state.get(piece.param)
 
     def local_sumsq(self) -> torch.Tensor:
         """Squared L2 norm of this rank's (already averaged) gradient, a 0-dim fp32 tensor; the
@@ -137,13 +159,18 @@ class ShardedOptimizer:
         """The inner optimizer's state tensors (momentum, variance, ...), for memory reports."""
         return [v for state in self.inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
-    def step(self, norm: float) -> None:
-        """Clip by the global norm (as torch.nn.utils.clip_grad_norm_ does) and update."""
+    def step(self, norm: float, unused: Sequence[str] = ()) -> None:
+        """Clip by the global norm (as torch.nn.utils.clip_grad_norm_ does) and update every
+        parameter but ``unused``, those no rank produced a gradient for (the same list on every
+        rank; [Note: unused parameters] in flat_pieces.py)."""
         if self.max_grad_norm is not None:
             coef = self.max_grad_norm / (norm + 1e-6)
             if coef < 1.0:
                 self.grad.mul_(coef)
-        self.inner.step()
+        if unused:
+            self.uneven = True
+        with self.pieces.skipping(unused):
+            self.inner.step()
         if self.scheduler is not None:
             self.scheduler.step()
 
@@ -154,23 +181,37 @@ class ShardedOptimizer:
     # --- state for checkpoints and resize: flat tensors over the local shard ----------------
 
     def export_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+        """Every per-element state tensor as one flat tensor over the local shard ("optim.<key>";
+        zeros where a piece has no state), and the scalar state: one value ("optim.<key>" in the
+        scalars) while the pieces agree, else per element ([Note: per-element state])."""
         tensors: Dict[str, torch.Tensor] = {}
         scalars: Dict[str, Any] = {}
         n = self.master.numel()
-        keys: Dict[str, None] = {}
-        for p in self.flat_params:
-            for k, v in self.inner.state.get(p, {}).items():
-                keys[k] = None
+        pieces = self.pieces.pieces
+        states = [self.inner.state.get(pc.param) or {} for pc in pieces]
+        keys: Dict[str, None] = dict.fromkeys(k for state in states for k in state)
+        probed = self._probe_stateless_groups() if self.uneven else {}
+        keys.update(dict.fromkeys(probed))
+        per_element: List[str] = []
         for k in keys:
-            vals = [self.inner.state.get(p, {}).get(k) for p in self.flat_params]
-            if all(isinstance(v, torch.Tensor) and v.shape == p.shape for v, p in zip(vals, self.flat_params)):
+            held = [(pc, state[k]) for pc, state in zip(pieces, states) if k in state]
+            if held and all(isinstance(v, torch.Tensor) and v.shape == pc.param.shape for pc, v in held) \
+                    or not held and probed[k]:
                 flat = torch.zeros(n, dtype=torch.float32)
-                for seg, v in zip(self.segments, vals):
-                    flat[seg.start:seg.end] = v.detach().float().cpu()
+                for pc, v in held:
+                    flat[pc.start:pc.end] = v.detach().float().cpu()
                 tensors[f"optim.{k}"] = flat
+            elif self.uneven and all(_is_number(v) for _, v in held):
+                flat = torch.zeros(n, dtype=torch.float32)
+                for pc, v in held:
+                    flat[pc.start:pc.end] = float(v)
+                tensors[f"optim.{k}"] = flat
+                per_element.append(k)
             else:
-                v = next((v for v in vals if v is not None), None)
+                v = held[0][1] if held else None
                 scalars[f"optim.{k}"] = float(v) if isinstance(v, (torch.Tensor, int, float)) else v
+        if self.uneven:
+            scalars["optim_per_element"] = per_element
         scalars["group_lr"] = {seg.key: g["lr"] for seg, g in zip(self.segments, self.inner.param_groups)}
         if self.scheduler is not None:
             scalars["scheduler"] = {k: v for k, v in self.scheduler.state_dict().items()
@@ -188,29 +229,100 @@ class ShardedOptimizer:
         its dtype. ``Optimizer.load_state_dict`` applies exactly that policy (and whatever an
         optimizer subclass changes in it), so the state is handed to it in CPU form instead of
         being written into ``inner.state`` by hand. Restore and resize both come through here.
+
+        [Note: per-element state]
+        Once a step has left a parameter unused ([Note: unused parameters] in flat_pieces.py),
+        the pieces' scalar state (Adam's ``step``) may differ, and a piece may have no state at
+        all (a parameter never used: torch keeps none for it). Every rank then exports each
+        scalar state per element, as a flat fp32 tensor like the others ("optim.step"), named
+        in the scalars' ``optim_per_element``; whether a rank does is decided by the step
+        status, which all ranks share, so every rank writes the same keys. The flat tensors
+        reshard by the same range math as ``exp_avg`` ([Note: resharding]), padding arriving
+        as zero. An import cuts the segments between neighbouring parameters whose scalar
+        state differs, or whose state is present in one and not the other, and leaves the
+        pieces without state stateless. A parameter has state when one of its values is
+        non-zero: ``step`` counts from 1 once a parameter was updated; an optimizer without
+        scalar state (SGD) has all-zero state only for a parameter it never updated, or one
+        whose every gradient was exactly zero, whose next update is then the same unless
+        SGD's dampening is set. A rank none of whose parameters in a param group was ever
+        updated has no state there to read the keys from, so it learns them from a probe
+        (``_probe_stateless_groups``), and writes zeros. A checkpoint from before (or from a
+        run where every parameter was always used) has one scalar per key, and every piece
+        gets it.
         """
+        per_element = scalars.get("optim_per_element")
+        flats = {name[6:]: flat for name, flat in tensors.items() if name.startswith("optim.")}
+        self.pieces.reset()
+        signature = None
+        if per_element is not None:
+            signature = self._piece_signature(flats, per_element)
+            self.pieces.split(self.pieces.cuts_between(signature))
         sd = self.inner.state_dict()
+        index = {id(p): i for g, sg in zip(self.inner.param_groups, sd["param_groups"])
+                 for p, i in zip(g["params"], sg["params"])}
         state: Dict[int, Dict[str, torch.Tensor]] = {}
-        for index, seg in enumerate(self.segments):
+        for pc in self.pieces.pieces:
             entry = {}
-            for name, flat in tensors.items():
-                if name.startswith("optim."):
+            if signature is not None:
+                names = self.pieces.params_in(pc)
+                held, values = signature(*self.pieces.span_of(names[0])) if names else (False, ())
+                if not held:
+                    continue  # a piece torch never updated: no state, as torch keeps none
+                entry.update({k: torch.tensor(v, dtype=torch.float32) for k, v in zip(per_element, values)})
+            for name, flat in flats.items():
+                if signature is None or name not in per_element:
                     # clone: load_state_dict's .to() is a no-op on a CPU run and would alias the caller's flat
-                    entry[name[6:]] = flat[seg.start:seg.end].clone()
+                    entry[name] = flat[pc.start:pc.end].clone()
             for name, value in scalars.items():
                 if name.startswith("optim.") and value is not None:
                     # float32 on the CPU is how torch.optim creates a non-capturable step
                     entry[name[6:]] = torch.tensor(float(value), dtype=torch.float32)
             if entry:
-                state[sd["param_groups"][index]["params"][0]] = entry
+                state[index[id(pc.param)]] = entry
         sd["state"] = state
         lrs = scalars.get("group_lr", {})
         for seg, g in zip(self.segments, sd["param_groups"]):
             if seg.key in lrs:
                 g["lr"] = lrs[seg.key]
         self.inner.load_state_dict(sd)
+        self.uneven = per_element is not None
         if self.scheduler is not None and "scheduler" in scalars:
             sd = self.scheduler.state_dict()
             sd.update(scalars["scheduler"])
             sd["_last_lr"] = [g["lr"] for g in self.inner.param_groups]
             self.scheduler.load_state_dict(sd)
+
+    def _probe_stateless_groups(self) -> Dict[str, bool]:
+        """The state keys (-> whether per element) of the param groups none of whose pieces has
+        state here yet (their parameters never updated), so that this rank exports the keys its
+        peers do ([Note: per-element state]): torch creates state lazily, so they are learnt from
+        a one-element probe parameter stepped by an optimizer the spec builds for that group."""
+        keys: Dict[str, bool] = {}
+        for group, seg in zip(self.inner.param_groups, self.segments):
+            if any(self.inner.state.get(p) for p in group["params"]):
+                continue
+            probe = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32, device=self.grad.device))
+            probe.grad = torch.zeros_like(probe)
+            optimizer = self.builder([{"params": [probe], **dict(seg.overrides)}])
+            optimizer.step()
+            for k, v in optimizer.state.get(probe, {}).items():
+                keys[k] = isinstance(v, torch.Tensor) and v.shape == probe.shape
+        return keys
+
+    @staticmethod
+    def _piece_signature(flats: Dict[str, torch.Tensor], per_element: Sequence[str]
+                         ) -> Callable[[int, int], Tuple[bool, Tuple[float, ...]]]:
+        """(has state, its per-element scalar values) of the parameter at local [start, end) in
+        imported flat state; see [Note: per-element state]."""
+        def signature(start: int, end: int) -> Tuple[bool, Tuple[float, ...]]:
+            values = tuple(float(flats[k][start]) for k in per_element)
+            if per_element:
+                held = any(v != 0 for v in values)
+            else:
+                held = any(bool(flat[start:end].any()) for flat in flats.values())
+            return (held, values) if held else (False, ())
+        return signature
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0)

@@ -2,14 +2,17 @@
 all-reduce.
 
 [Note: step status]
-One float64 vector, all-reduced with a sum, carries [the sum of squared gradient norms, then
-per rank: failed, left the plan, events recorded, their digest, its summed loss, then the
-gradient buckets' share (comm/bucket_learning.py)]. Each rank writes only its own slots, so
-the sum hands every rank every other rank's values. Reading it is the step's one host
-synchronisation: the loss travels in it rather than through a ``float(loss)`` of its own,
-which on a GPU would drain the queue ahead of backward. It decides the step outcome ([Note:
-step outcome] in errors.py), whether the stage-3 trace is adopted, and what the bucket tuner
-learns.
+One float64 vector, all-reduced with a sum, carries [the sum of squared gradient norms; per
+rank: failed, left the plan, events recorded, their digest, its summed loss; one slot per
+trainable parameter (``layout.param_names`` order), where each rank adds 1 if its backward
+produced a gradient for that parameter in some micro-batch of the step; the gradient
+buckets' share (comm/bucket_learning.py)]. Each rank writes only its own slots (or adds its
+count), so the sum hands every rank every other rank's values. Reading it is the step's one
+host synchronisation: the loss travels in it rather than through a ``float(loss)`` of its
+own, which on a GPU would drain the queue ahead of backward. It decides the step outcome
+([Note: step outcome] in errors.py), whether the stage-3 trace is adopted, which parameters
+no rank used (a sum of 0: the optimizer skips them, [Note: unused parameters] in
+flat_pieces.py), and what the bucket tuner learns.
 """
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ class RankStatus:
 class StepStatus:
     norm: float                  # the global gradient norm (inf if not finite)
     ranks: List[RankStatus]
-    extra: List[float]           # the summed values after the ranks' slots
+    used: List[float]            # per trainable parameter: how many ranks produced a gradient for it
+    extra: List[float]           # the summed values after the parameters' slots
 
     @property
     def failed(self) -> List[int]:
@@ -50,29 +54,38 @@ class StepStatus:
         """Every rank recorded the same events (same count, same digest)."""
         return len({(s.events, s.digest) for s in self.ranks}) == 1
 
+    def unused(self, names: Sequence[str]) -> List[str]:
+        """The parameters (``names``: the order of the used slots) no rank produced a gradient for."""
+        return [n for n, count in zip(names, self.used) if count == 0]
+
 
 def encode(world_size: int, rank: int, sumsq: Optional[torch.Tensor], loss_sum: Optional[torch.Tensor],
-           trace: Tuple[float, float, float], extra: Sequence[float], device: torch.device) -> torch.Tensor:
+           trace: Tuple[float, float, float], extra: Sequence[float], device: torch.device,
+           used: Sequence[float] = ()) -> torch.Tensor:
     """This rank's vector: ``sumsq`` (None: this rank's step failed, or its norm is counted by
-    another rank), ``loss_sum`` (None: failed), ``trace`` = (left the plan, events, digest)."""
-    vec = torch.zeros(1 + PER_RANK * world_size + len(extra), dtype=torch.float64, device=device)
+    another rank), ``loss_sum`` (None: failed), ``trace`` = (left the plan, events, digest),
+    ``used`` = 1.0 or 0.0 per trainable parameter (the same number of them on every rank)."""
+    params = 1 + PER_RANK * world_size
+    vec = torch.zeros(params + len(used) + len(extra), dtype=torch.float64, device=device)
     if sumsq is not None:
         vec[0] = sumsq.double()
     mine = vec[1 + PER_RANK * rank:1 + PER_RANK * (rank + 1)]
     mine[:4] = torch.tensor([0.0 if loss_sum is not None else 1.0, *trace], dtype=torch.float64)
     if loss_sum is not None:
         mine[4] = loss_sum.double()
-    if extra:
-        vec[1 + PER_RANK * world_size:] = torch.tensor(list(extra), dtype=torch.float64)
+    if len(used) or extra:
+        vec[params:] = torch.tensor([*used, *extra], dtype=torch.float64)
     return vec
 
 
-def decode(values: Sequence[float], world_size: int) -> StepStatus:
-    """The all-reduced vector, read on the host (``tolist``), as every rank sees it."""
+def decode(values: Sequence[float], world_size: int, num_params: int = 0) -> StepStatus:
+    """The all-reduced vector, read on the host (``tolist``), as every rank sees it;
+    ``num_params``: the length of the ``used`` each rank encoded."""
     ranks = []
     for r in range(world_size):
         failed, exited, events, dig, loss = values[1 + PER_RANK * r:1 + PER_RANK * (r + 1)]
         ranks.append(RankStatus(bool(failed), bool(exited), events, dig, loss))
     total = values[0]
     norm = math.sqrt(total) if math.isfinite(total) else float("inf")
-    return StepStatus(norm, ranks, list(values[1 + PER_RANK * world_size:]))
+    params = 1 + PER_RANK * world_size
+    return StepStatus(norm, ranks, list(values[params:params + num_params]), list(values[params + num_params:]))

@@ -41,6 +41,8 @@ def _run_one(rank, world, port, spec, out_file):
     engine = Engine(spec["model_fn"], spec["loss_fn"], spec["optimizer"], spec["zero"], group,
                     seed=spec.get("seed", 0), param_groups=spec.get("param_groups"),
                     scheduler=spec.get("scheduler"), device=spec.get("device", "cpu"))
+    if spec.get("setup"):  # e.g. load a checkpoint before training
+        spec["setup"](engine)
     losses, norms, skipped, reports = [], [], [], []
     for batch in spec["batches"]:
         shard = split_batch(batch, world)[rank]
@@ -65,7 +67,8 @@ def _run_one(rank, world, port, spec, out_file):
                 "reports": reports, "memory": memory, "untrained": engine.untrained_state(),
                 "buffer_dtypes": {n: b.dtype for n, b in engine.model.named_buffers()},
                 "frozen_dtypes": {n: p.dtype for n, p in engine.model.named_parameters() if not p.requires_grad},
-                "aliases": engine.layout.aliases(), "scale": engine.scaler.scale if engine.scaler else None},
+                "aliases": engine.layout.aliases(), "scale": engine.scaler.scale if engine.scaler else None,
+                "inspect": spec["inspect"](engine) if spec.get("inspect") else None},
                out_file)
     engine.close()
     group.close()

@@ -49,8 +49,8 @@ CASES = {
     "stage2-tiny-buckets": (lambda b: _spec(2, b, bucket_bytes=40), "adamw"),
     # A window smaller than any module and no reuse: every unit is gathered again in backward.
     "stage3-regather": (lambda b: _spec(3, b, prefetch_bytes=64, reuse_distance=0), "adamw"),
-    # A data-dependent branch (same on every rank). A module skipped in a step gets a zero gradient,
-    # as under DDP and FSDP (plain torch would skip it in the optimizer): the reference does the same.
+    # A data-dependent branch (same on every rank). A module skipped in a step has no gradient and
+    # the optimizer skips it, as in plain torch (tests/dist/test_unused_params.py).
     "stage3-branch": (lambda b: _spec(3, b, model_fn=branch_model), "branch"),
 }
 
@@ -59,7 +59,7 @@ CASES = {
 def references():
     batches = make_batches(STEPS)
     return batches, {"adamw": reference_run(parity_model, lm_loss, ref_adamw, batches),
-                     "branch": reference_run(branch_model, lm_loss, ref_adamw, batches, unused_as_zero=True)}
+                     "branch": reference_run(branch_model, lm_loss, ref_adamw, batches)}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -119,7 +119,7 @@ def test_ranks_taking_different_branches_train_exactly(world):
                                     zero=zr.ZeroConfig(stage=3, wrap=w, grad_accum_steps=k), batches=b)
                                for m, w, _, k, b in cases])
     for (model_fn, wrap, agree_first, k, batches), (results, params) in zip(cases, runs):
-        ref = reference_run(model_fn, per_shard_loss(lm_loss, world * k), ref_adamw, batches, unused_as_zero=True)
+        ref = reference_run(model_fn, per_shard_loss(lm_loss, world * k), ref_adamw, batches)
         try:
             assert_parity(ref, results, params)
         except AssertionError as e:

@@ -117,3 +117,90 @@ def test_engine_restore_steps_on_cuda():
     steps = {k: v.device.type for k, v in second.optimizer.inner.state[second.optimizer.flat_params[0]].items()}
     second.close()
     assert steps == {"exp_avg": "cuda", "exp_avg_sq": "cuda", "step": "cuda"}
+
+
+# Three parameters in two segments (the second with an lr override); "b" is never used, "c" and
+# "a" are left unused in some steps ([Note: unused parameters] in zeroray/flat_pieces.py).
+SPANS = {"a": (0, 3), "b": (3, 6), "c": (6, 10)}
+GROUPED = [Segment(0, 6, ()), Segment(6, 10, (("lr", 0.05),))]
+UNUSED = [("b",), ("b", "c"), ("a", "b"), ("b",), ("b", "c"), ("b",)]
+SPECS = {
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=False),
+    "adamw-foreach": lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adamw-fused": zr.AdamW(lr=1e-2, weight_decay=0.1),
+    "sgd-dampening": lambda groups: torch.optim.SGD(groups, lr=1e-2, momentum=0.9, dampening=0.5, weight_decay=0.1),
+}
+
+
+def _halving(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+
+
+def _sharded(spec):
+    return ShardedOptimizer(spec, torch.zeros(10), torch.zeros(10), GROUPED, None, _halving, param_spans=SPANS)
+
+
+@pytest.mark.parametrize("spec", list(SPECS.values()), ids=list(SPECS))
+def test_unused_parameters_are_skipped_like_torch_and_survive_export(spec):
+    """Each parameter steps exactly as a torch parameter whose .grad is None when unused (no
+    update, no weight decay, no step, no state), through an LR scheduler and a group override;
+    an export/import in the middle (per-element steps, no state for "b") changes nothing."""
+    builder = spec.build if hasattr(spec, "build") else spec
+    torch.manual_seed(0)
+    start = torch.randn(10)
+    grads = [torch.randn(10) for _ in UNUSED]
+    ref = {n: torch.nn.Parameter(start[a:b].clone()) for n, (a, b) in SPANS.items()}
+    ref_opt = builder([{"params": [ref["a"], ref["b"]]}, {"params": [ref["c"]], "lr": 0.05}])
+    ref_sched = _halving(ref_opt)
+    original = _sharded(spec)
+    original.master.copy_(start)
+    restored = None
+    for i, (g, unused) in enumerate(zip(grads, UNUSED)):
+        for n, (a, b) in SPANS.items():
+            ref[n].grad = None if n in unused else g[a:b].clone()
+        ref_opt.step()
+        ref_sched.step()
+        for opt in (original, restored) if restored else (original,):
+            opt.grad.copy_(g)
+            opt.step(norm=1.0, unused=unused)
+        if i == 2:
+            restored = _sharded(spec)
+            restored.master.copy_(original.master)
+            tensors, scalars = original.export_state()
+            sgd = isinstance(original.inner, torch.optim.SGD)  # SGD keeps no scalar state
+            assert scalars["optim_per_element"] == ([] if sgd else ["step"])
+            restored.import_state(tensors, scalars)
+    want = torch.cat([ref[n].detach() for n in SPANS])
+    assert torch.equal(original.master, want), (original.master - want).abs().max()
+    assert torch.equal(restored.master, want), (restored.master - want).abs().max()
+    for opt in (original, restored):
+        assert opt.param_state("b") is None  # never updated: torch keeps no state either
+        assert [g["lr"] for g in opt.inner.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+        for n in ("a", "c"):
+            state, ref_state = opt.param_state(n), ref_opt.state[ref[n]]
+            assert set(state) == set(ref_state)
+            for key, value in ref_state.items():
+                assert torch.equal(state[key].reshape(value.shape), value), (n, key)
+    assert len(original.flat_params) == 3 and len(original.inner.param_groups) == 2
+
+
+@pytest.mark.parametrize("spec", [zr.AdamW(lr=1e-2), zr.SGD(lr=1e-2, momentum=0.9)], ids=["adamw", "sgd"])
+def test_a_rank_whose_parameters_were_never_updated_exports_the_same_keys(spec):
+    """Every rank must write the same keys (checkpoint commit, resharding): a rank holding only
+    parameters no step used has no state to read them from, and exports its peers' keys, as
+    zeros (no state), which import back as no state."""
+    spans = {"head": (0, 10)}
+    busy = ShardedOptimizer(spec, torch.zeros(10), torch.ones(10), [Segment(0, 10, ())], None,
+                            param_spans={"used": (0, 10)})
+    idle = ShardedOptimizer(spec, torch.zeros(10), torch.ones(10), [Segment(0, 10, ())], None, param_spans=spans)
+    for _ in range(2):
+        busy.step(1.0, unused=["head"])
+        idle.step(1.0, unused=["head"])
+    assert idle.param_state("head") is None
+    (busy_tensors, busy_scalars), (tensors, scalars) = busy.export_state(), idle.export_state()
+    assert sorted(tensors) == sorted(busy_tensors) and scalars.keys() == busy_scalars.keys()
+    assert scalars["optim_per_element"] == busy_scalars["optim_per_element"]
+    assert all(not t.any() for t in tensors.values())
+    restored = ShardedOptimizer(spec, torch.zeros(10), torch.ones(10), [Segment(0, 10, ())], None, param_spans=spans)
+    restored.import_state(tensors, scalars)
+    assert restored.param_state("head") is None and restored.uneven

@@ -30,3 +30,22 @@ def test_a_step_where_all_agree_and_a_non_finite_norm():
     status = step_status.decode(_sum(vecs), 2)
     assert status.failed == [] and not status.any_exit and status.agreed
     assert math.isinf(status.norm) and status.extra == []
+
+
+def test_a_parameter_is_unused_only_when_no_rank_used_it():
+    """One slot per trainable parameter: each rank writes 1 where its backward produced a
+    gradient; after the sum, 0 means no rank did, and the bucket values still follow."""
+    cpu = torch.device("cpu")
+    names = ["a", "b", "c", "d"]
+    first = step_status.encode(2, 0, torch.tensor(1.0), torch.tensor(0.5), (0.0, 1.0, 2.0), [7.0], cpu,
+                               used=[1.0, 0.0, 0.0, 1.0])
+    second = step_status.encode(2, 1, torch.tensor(1.0), torch.tensor(0.5), (0.0, 1.0, 2.0), [8.0], cpu,
+                                used=[1.0, 1.0, 0.0, 0.0])
+    status = step_status.decode(_sum([first, second]), 2, num_params=len(names))
+    assert status.used == [2.0, 1.0, 0.0, 1.0]
+    assert status.unused(names) == ["c"]
+    assert status.extra == [15.0] and status.failed == [] and status.norm == math.sqrt(2.0)
+    # A failed rank still sends its slots (what it marked before failing); the step is not applied anyway.
+    failed = step_status.encode(2, 1, None, None, (0.0, 1.0, 2.0), [8.0], cpu, used=[0.0] * 4)
+    status = step_status.decode(_sum([first, failed]), 2, num_params=len(names))
+    assert status.failed == [1] and status.unused(names) == ["b", "c"]
