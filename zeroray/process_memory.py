@@ -17,10 +17,10 @@ each one measured (``benchmarks/memory_rss.py``).
   have their arenas.)
 - Large blocks straight from the OS. glibc serves an allocation above its mmap threshold
   with a mapping of its own, returned to the OS when freed, and everything below it from the
-  heap, which keeps what is freed. The threshold starts at 128 KiB, but glibc raises it to
-  the size of each mapped block freed (up to 32 MiB), so after the first step every
-  activation, gradient and stage-3 unit buffer (all below 32 MiB at these model sizes) comes
-  from the heap. The heap then holds their freed memory in holes between live blocks: the
+  heap, which keeps what is freed. The threshold starts at 128 KiB, but whenever a mapped
+  block larger than it is freed glibc raises it to that block's size (up to 32 MiB), so
+  after the first step the activations, gradients and stage-3 unit buffers below that size
+  all come from the heap. The heap then holds their freed memory in holes between live blocks: the
   step's peak RSS carries a few hundred MB above the bytes in use, and more at stage 3,
   where unit buffers come and go between the activations. ``ProcessMemory`` fixes the
   threshold at ``MMAP_THRESHOLD`` (which also stops the raising), so blocks of that size or
