@@ -20,9 +20,9 @@ each one measured (``benchmarks/memory_rss.py``).
   heap, which keeps what is freed. The threshold starts at 128 KiB, but whenever a mapped
   block larger than it is freed glibc raises it to that block's size (up to 32 MiB), so
   after the first step the activations, gradients and stage-3 unit buffers below that size
-  all come from the heap. The heap then holds their freed memory in holes between live blocks: the
-  step's peak RSS carries a few hundred MB above the bytes in use, and more at stage 3,
-  where unit buffers come and go between the activations. ``ProcessMemory`` fixes the
+  all come from the heap. The heap then holds their freed memory in holes between live
+  blocks: the step's peak RSS carries a few hundred MB above the bytes in use, and more at
+  stage 3, where unit buffers come and go between the activations. ``ProcessMemory`` fixes the
   threshold at ``MMAP_THRESHOLD`` (which also stops the raising), so blocks of that size or
   more go back to the OS when torch frees them and the peak RSS follows the bytes in use.
   The price is page faults: each step faults in its activations and temporaries afresh (the
