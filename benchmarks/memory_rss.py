@@ -1,9 +1,11 @@
 """Where a worker's resident memory goes, per ZeRO stage, beside torch DDP and FSDP2.
 
-    python benchmarks/memory_rss.py [--large | --d-model D --layers L --heads H] [--workers 2] [--steps 3]
+    python benchmarks/memory_rss.py [--model gpt|mha|hf-gpt2] [--large | --d-model D --layers L --heads H]
+        [--seq-len 128] [--workers 2] [--steps 3]
         [--only ddp,fsdp2,zr0,zr1,zr2,zr3] [--ray-env KEY=VALUE ...] [--zero JSON] [--json out.json]
 
-Every row trains the same GPT (examples/gpt.py) for ``--steps`` steps from the same weights on
+Every row trains the same model (``--model``: examples/gpt.py's GPT, or one zeroray did not
+write, see bench_models.py) for ``--steps`` steps from the same weights on
 the same batches, one row after another, one thread per worker (as compare.py). For zeroray
 each worker's ``memory_report()['rss']`` breaks its peak RSS over the steps into the process
 baseline, the model states (measured, equal to the estimate), the stage-3 gathered window, the
@@ -46,6 +48,8 @@ TARGET_SHARE = 0.90  # of the formula's saving against stage 0
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("gpt", "mha", "hf-gpt2"), default="gpt",
+                   help="the model every row trains (bench_models.py; default gpt)")
     p.add_argument("--large", action="store_true", help="d_model 512, 8 layers, 8 heads (25.4M parameters)")
     p.add_argument("--d-model", type=int, help="default 256 (512 with --large)")
     p.add_argument("--layers", type=int, help="default 4 (8 with --large)")
@@ -72,7 +76,7 @@ def make_spec(args) -> BenchSpec:
     d, layers, heads = (512, 8, 8) if args.large else (256, 4, 4)
     return BenchSpec(d_model=args.d_model or d, n_layers=args.layers or layers, n_heads=args.heads or heads,
                      seq_len=args.seq_len, batch_per_worker=args.batch, num_workers=args.workers, threads=1,
-                     warmup_steps=0, timed_steps=args.steps)
+                     warmup_steps=0, timed_steps=args.steps, model=args.model)
 
 
 # --------------------------------------------------------------------------- rows
@@ -221,7 +225,7 @@ def main(argv=None) -> int:
     limit_threads(1)
     num_params = count(spec)
     load = os.getloadavg()
-    log(f"gpt d_model={spec.d_model} layers={spec.n_layers} heads={spec.n_heads} ({num_params / 1e6:.2f}M params), "
+    log(f"{spec.model} d_model={spec.d_model} layers={spec.n_layers} heads={spec.n_heads} ({num_params / 1e6:.2f}M params), "
         f"{spec.num_workers} workers x {spec.batch_per_worker} seqs, {spec.timed_steps} steps; "
         f"zeroray env {args.env or '-'}, ZeroConfig {args.zero_fields or '-'}; load average {load[0]:.2f}")
     records, session = {}, None
@@ -243,7 +247,7 @@ def main(argv=None) -> int:
         if session is not None:
             session.close()
     plain = plain_torch_rss()
-    print(f"MB per worker, the worker with the largest peak; {num_params / 1e6:.2f}M parameters, "
+    print(f"MB per worker, the worker with the largest peak; {spec.model}, {num_params / 1e6:.2f}M parameters, "
           f"{spec.num_workers} workers (a plain `import torch` process: {plain / MB:.0f} MB)")
     print(table(records))
     for line in targets(records, spec, num_params):

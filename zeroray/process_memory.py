@@ -4,7 +4,7 @@ keeps them at what the tensors need.
 [Note: process memory]
 On CPU a worker's memory is its resident set (RSS), and what the model states need is only
 part of it; ``memory_report`` breaks the rest down ([Note: RSS breakdown] in memory_report.py).
-Three things here keep the part that is not tensors small; benchmarks/README.md has what
+Four things here keep the part that is not tensors small; benchmarks/README.md has what
 each one measured (``benchmarks/memory_rss.py``).
 
 - One compute thread. glibc gives each thread that allocates a malloc arena of its own and
@@ -15,6 +15,18 @@ each one measured (``benchmarks/memory_rss.py``).
   so one arena serves every step. (Setting ``MALLOC_ARENA_MAX`` does the same, but only in
   the environment the process starts with; ``mallopt`` is too late once the pool's threads
   have their arenas.)
+- Large blocks straight from the OS. glibc serves an allocation above its mmap threshold
+  with a mapping of its own, returned to the OS when freed, and everything below it from the
+  heap, which keeps what is freed. The threshold starts at 128 KiB, but whenever a mapped
+  block larger than it is freed glibc raises it to that block's size (up to 32 MiB), so
+  after the first step the activations, gradients and stage-3 unit buffers below that size
+  all come from the heap. The heap then holds their freed memory in holes between live
+  blocks: the step's peak RSS carries a few hundred MB above the bytes in use, and more at
+  stage 3, where unit buffers come and go between the activations. ``ProcessMemory`` fixes the
+  threshold at ``MMAP_THRESHOLD`` (which also stops the raising), so blocks of that size or
+  more go back to the OS when torch frees them and the peak RSS follows the bytes in use.
+  The price is page faults: each step faults in its activations and temporaries afresh (the
+  kernel's zeroed pages) instead of reusing the heap's; benchmarks/README.md has both sides.
 - A trim after construction: the construction transient freed to the heap (the model built
   whole before it is bound to the arena, the sharded build's scratch), and the cyclic garbage
   of a first-time import, is handed back to the OS with ``gc.collect()`` and
@@ -59,13 +71,29 @@ def reset_peak() -> bool:
         return False
 
 
+MMAP_THRESHOLD = 1 << 20  # bytes: smaller blocks (Python objects, small tensors) stay in the heap
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
+    """Serve allocations of ``nbytes`` or more from mappings of their own, returned to the OS
+    when freed, for the rest of the process; see [Note: process memory]. False where glibc's
+    ``mallopt`` is not there (the allocator then stays as it is)."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, int(nbytes)) == 1)
+
+
 def trim_heap() -> None:
     """Collect cyclic garbage, then hand the heap's free pages back to the OS (glibc only)."""
     gc.collect()
-    try:
-        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except OSError:
-        trim = None
+    trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
 
@@ -111,10 +139,13 @@ class _ComputeThread:
 
 class ProcessMemory:
     """The worker's side of [Note: process memory]: create it before the model exists (its RSS
-    then is the process baseline), build the engine with ``build`` and run steps with ``step``."""
+    then is the process baseline; the mmap threshold is fixed from then on, unless
+    ``mmap_threshold`` is None), build the engine with ``build`` and run steps with ``step``."""
 
-    def __init__(self) -> None:
+    def __init__(self, mmap_threshold: Optional[int] = MMAP_THRESHOLD) -> None:
         self.baseline_rss = current_rss_bytes()
+        # None: leave glibc's dynamic threshold alone.
+        self.mmap_threshold_fixed = mmap_threshold is not None and fix_mmap_threshold(mmap_threshold)
         self.construction_peak_rss: Optional[int] = None
         self.after_construction_rss: Optional[int] = None
         self._phase_peaks = False  # the kernel's peak counts the steps only (reset after construction)

@@ -28,6 +28,15 @@ def _rank(rank, world, port, out_dir):
             p2p.all_gather(got_ag, got_rs)  # synchronous, and no scratch given to the next one
             p2p.reduce_scatter(torch.empty(n), full)
             results[n] = ((got_rs - want_rs).abs().max().item(), torch.equal(got_ag, want_ag))
+        # Several gathers in one exchange, each into its own output (comm/gather.py: no staging).
+        inps = [torch.randn(n) for n in (3, 1000, 1, 257)]
+        wants = [torch.empty(world * x.numel()) for x in inps]
+        for want, x in zip(wants, inps):
+            native.all_gather(want, x)
+        gots = [torch.empty_like(w) for w in wants]
+        p2p.all_gather_pieces(gots, inps, async_op=True).wait()
+        results["pieces"] = (0.0, all(torch.equal(g, w) for g, w in zip(gots, wants)))
+        results["pieces_native"] = (0.0, native.all_gather_pieces(gots, inps) is None)  # NCCL's way: staging
         p2p.counter.reset()
         launched = time.perf_counter()
         h = p2p.all_gather(torch.empty(world * 1000), torch.ones(1000), async_op=True)

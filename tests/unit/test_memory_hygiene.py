@@ -3,6 +3,10 @@ its pieces, the sharded build's arena adopted as the stage-3 master and freed wi
 collector, and the worker's compute thread and phase peaks (process_memory.py)."""
 import functools
 import gc
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -119,7 +123,7 @@ def test_state_round_trip_through_the_local_shard(stage, dtype):
 
 
 def test_process_memory_runs_engine_work_on_one_thread():
-    memory = ProcessMemory()
+    memory = ProcessMemory(mmap_threshold=None)  # this test process's allocator stays as it is
     seen = set()
 
     def work(x):
@@ -145,3 +149,39 @@ def test_process_memory_runs_engine_work_on_one_thread():
                                         "step_peak_rss", "rss", "peak_rss_bytes"))
     assert report["peak_rss_bytes"] >= report["construction_peak_rss"]
     memory.close()
+
+
+# A step's pattern in miniature: a large block freed first (glibc raises its mmap threshold to
+# it), then blocks below that size kept and dropped in turn, as activations and temporaries are.
+_HOLES = """
+import json, sys, torch
+from zeroray.process_memory import ProcessMemory, current_rss_bytes
+memory = ProcessMemory(mmap_threshold=None if sys.argv[1] == "dynamic" else 1 << 20)
+def step():
+    del_me = torch.ones(2**23)  # 32 MiB
+    del del_me
+    before, kept = current_rss_bytes(), []
+    for i in range(40):
+        t = torch.ones(2**21)  # 8 MiB
+        if i % 2:
+            kept.append(t)
+    return current_rss_bytes() - before, sum(t.numel() * t.element_size() for t in kept)
+print(json.dumps(memory.step(step)))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_the_fixed_mmap_threshold_returns_freed_blocks():
+    """[Note: process memory]: with glibc's own threshold the freed 8 MiB blocks stay resident as
+    holes between the kept ones; with the threshold fixed they go back to the OS, and the RSS
+    grows by the kept bytes only."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    grew = {}
+    for mode in ("dynamic", "fixed"):
+        out = subprocess.run([sys.executable, "-c", _HOLES, mode], capture_output=True, text=True, env=env,
+                             check=True, timeout=120)
+        grew[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    (dynamic, kept), (fixed, _) = grew["dynamic"], grew["fixed"]
+    assert kept == 20 * 2**23
+    assert fixed < kept + 16 * 2**20, grew
+    assert dynamic > kept + 64 * 2**20, grew  # the control: glibc's default keeps the holes

@@ -6,7 +6,8 @@ moving the same bytes with ``send``/``recv`` (figures in benchmarks/README.md, f
 benchmarks/collectives.py``). So on gloo both are a direct exchange:
 
 * all-gather: every rank sends its shard to each peer and receives each peer's shard
-  straight into that peer's row of the output;
+  straight into that peer's row of the output (of each output, when several units are
+  gathered together: one message per unit, so their rows need no staging buffer);
 * reduce-scatter: every rank sends row ``p`` of its input to rank ``p`` and receives the
   peers' copies of its own row, the first straight into the output and the others into a
   scratch buffer of W-2 rows (none for two workers), and sums them when they arrived (in the
@@ -148,6 +149,19 @@ class PeerExchange:
         works = self._post([(inp, p) for p in self.peers], [(rows[p], p) for p in self.peers], tag)
         if rows[self.rank].data_ptr() != inp.data_ptr():
             rows[self.rank].copy_(inp)
+        return self._submit(Exchange(works, None, self.counter, started), channel)
+
+    def all_gather_pieces(self, outs: List[torch.Tensor], inps: List[torch.Tensor], channel: int = 0) -> Exchange:
+        """Several all-gathers as one exchange: ``outs[i]`` viewed as (W, inps[i].numel()), row r
+        becomes rank r's ``inps[i]``. Each piece is its own message (its own tag), received
+        straight into its row: the gather of several units needs no staging buffer."""
+        started, works = time.perf_counter(), []
+        for out, inp in zip(outs, inps):
+            tag = self._tag(channel)
+            rows = out.view(self.world_size, -1)
+            works += self._post([(inp, p) for p in self.peers], [(rows[p], p) for p in self.peers], tag)
+            if rows[self.rank].data_ptr() != inp.data_ptr():
+                rows[self.rank].copy_(inp)
         return self._submit(Exchange(works, None, self.counter, started), channel)
 
     def scratch_numel(self, out_numel: int) -> int:

@@ -1,10 +1,12 @@
 """All-gather of units' parameters from their shards, coalescing small units (C_B).
 
 A group of units is gathered with one collective. One unit gathers straight into its full
-buffer. Several units whose slices are adjacent in the local shard (consecutive in layout
-order, the common case) send that slice of the shard as is; the result, an (W, columns)
-matrix in a staging buffer, is copied out into each unit's (W, shard_numel) full buffer.
-Staging buffers are bounded by ``bucket_bytes`` and reused.
+buffer, and so does each unit of a group where the backend can gather several tensors into
+their own outputs at once (gloo's point-to-point exchange, comm/exchange.py): no staging.
+Otherwise (NCCL) several units whose slices are adjacent in the local shard (consecutive in
+layout order, the common case) send that slice of the shard as is; the result, an (W,
+columns) matrix in a staging buffer, is copied out into each unit's (W, shard_numel) full
+buffer. Staging buffers are bounded by ``bucket_bytes`` and reused.
 
 A rank may take part in a gather whose result it does not need (its peers do: a negotiated
 step's union, or the rest of a plan it left; see fetch.py): a target of ``None`` sends this
@@ -105,6 +107,12 @@ class UnitGatherer:
             return GatherHandle(units, self.group.all_gather(out, inp, async_op=async_op, channel=channel), None)
         order = sorted(range(len(units)), key=lambda i: units[i])
         us = [layout.units[units[i]] for i in order]
+        pieces = self.group.all_gather_pieces(
+            [fulls[i] if fulls[i] is not None else self._discard_buffer(u.padded) for i, u in zip(order, us)],
+            [self.shard[u.shard_offset:u.shard_offset + u.shard_numel] for u in us], async_op=async_op,
+            channel=channel)
+        if pieces is not None:  # straight into the full buffers: no staging
+            return GatherHandle(units, pieces, None)
         cols = sum(u.shard_numel for u in us)
         contiguous = all(us[i + 1].index == us[i].index + 1 for i in range(len(us) - 1))
         if contiguous:  # one view, or one copy where the shard is the arena's rows ([Note: local shard])

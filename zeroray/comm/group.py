@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Protocol
+from typing import Dict, List, Optional, Protocol
 
 import torch
 
@@ -180,6 +180,13 @@ class Group:
                    channel: Channel = Channel.GATHER, control: bool = False) -> Handle:
         raise NotImplementedError
 
+    def all_gather_pieces(self, outs: List[torch.Tensor], inps: List[torch.Tensor], async_op: bool = False,
+                          channel: Channel = Channel.GATHER) -> Optional[Handle]:
+        """Several all-gathers in one handle, each into its own output (``outs[i]``: W rows of
+        ``inps[i]``); None where the backend can only gather into one tensor (the caller then
+        gathers into a staging buffer and copies out)."""
+        return None
+
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
                        scratch: Optional[torch.Tensor] = None, channel: Channel = Channel.REDUCE) -> Handle:
         """``scratch``: optional reused buffer of ``scratch_numel(out.numel())`` elements."""
@@ -315,6 +322,15 @@ class TorchGroup(Group):
         if self.exchange is not None:
             return self._sync(self.exchange.all_gather(out, inp, channel.value), async_op)
         return self._done(self._launch(lambda: self.pg._allgather_base(out, inp)), async_op)
+
+    def all_gather_pieces(self, outs, inps, async_op=False, channel=Channel.GATHER):
+        if self.exchange is None:
+            return None
+        for out, inp in zip(outs, inps):
+            assert out.numel() == inp.numel() * self.world_size, (out.shape, inp.shape)
+        total = sum(_nbytes(out) for out in outs)
+        self.counter.add("all_gather", total, self._ring(total))
+        return self._sync(self.exchange.all_gather_pieces(outs, inps, channel.value), async_op)
 
     def scratch_numel(self, out_numel: int) -> int:
         return self.exchange.scratch_numel(out_numel) if self.exchange is not None else 0
