@@ -17,8 +17,10 @@ is allocated once and reused every step; with ``max_inflight`` reductions in fli
 waits for the oldest to finish rather than allocating a buffer (unless every buffer is still
 being filled: arrival order far from the plan). One in flight for full-size buckets, which
 keeps the pool at the paper's few C_B; two where buckets are cut small by the flush timeout
-(``timed=True``): a bucket's first gradient would otherwise wait for the reduction of the
-bucket just launched, in the middle of backward.
+(``timed=True``) or sized from a model smaller than ``bucket_bytes`` ([Note: first bucket] in
+bucket_plan.py): a bucket's first gradient would otherwise wait for the reduction of the
+bucket just launched, in the middle of backward. A fixed plan's first bucket is small (1 MiB,
+as DDP's), so that a reduction starts early in backward.
 
 In a negotiated stage-3 step (negotiate.py) over a backend without independent channels
 (NCCL), ``hold=True`` keeps every launch for ``finish``, after the agreement rounds, so the
@@ -41,7 +43,7 @@ from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zeroray.arena import FlatLayout
-from zeroray.comm.bucket_plan import Cut, Piece, Timeline, pack
+from zeroray.comm.bucket_plan import FIRST_BUCKET_BYTES, Cut, Piece, Timeline, fixed_capacity, pack
 from zeroray.comm.group import Channel, Group
 from zeroray.stage import ReduceMode
 
@@ -73,9 +75,10 @@ class GradBuckets:
         self.layout, self.group, self.target, self.mode, self.dtype = layout, group, target, mode, dtype
         self.rows = group.world_size if mode is ReduceMode.REDUCE_SCATTER else 1
         self.unit_order = list(unit_order)
-        self.max_inflight = 2 if timed else 1  # reductions in flight before a bucket waits (module docstring)
+        self.timed = timed
         self.unit_columns = {u.index: self._row(u)[0] for u in layout.units}
         self.column_bytes = self.rows * torch.tensor([], dtype=dtype).element_size()
+        self.model_bytes = sum(self.unit_columns.values()) * self.column_bytes
         self._free: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.pool_size = 0
         self._buf_numel = 0     # columns the pooled buffers were allocated for
@@ -100,10 +103,18 @@ class GradBuckets:
         """Install the plan of ``bucket_bytes`` buckets ending after ``cuts`` (between steps only)."""
         assert not self._inflight and not self._bufs, "a new plan is installed between steps only"
         self.bucket_bytes = bucket_bytes
-        self.capacity = max(bucket_bytes // self.column_bytes, 1)  # columns per bucket
+        first = None
+        if self.timed:  # the tuner's plan: its size and timeout cuts
+            self.capacity = max(bucket_bytes // self.column_bytes, 1)  # columns per bucket
+        else:  # [Note: first bucket] in bucket_plan.py
+            self.capacity = max(fixed_capacity(bucket_bytes, self.model_bytes) // self.column_bytes, 1)
+            first = max(FIRST_BUCKET_BYTES // self.column_bytes, 1)
+        # Reductions in flight before a bucket waits (module docstring): two where buckets are
+        # cut smaller than bucket_bytes (by the timeout, or sized from the model).
+        self.max_inflight = 2 if self.timed or self.capacity * self.column_bytes < bucket_bytes else 1
         self.buckets = []
         self.copies: Dict[str, List[_Copy]] = {}
-        for index, spec in enumerate(pack(self.unit_order, self.unit_columns, self.capacity, cuts)):
+        for index, spec in enumerate(pack(self.unit_order, self.unit_columns, self.capacity, cuts, first)):
             self.buckets.append(Bucket(index, spec.pieces, spec.row_numel, cut=spec.cut))
         self._copies()
         self.max_row_numel = max((b.row_numel for b in self.buckets), default=0)
