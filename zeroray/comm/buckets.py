@@ -171,7 +171,9 @@ class GradBuckets:
         if self._free:
             inp, out = self._free.pop()
         else:
-            inp = torch.empty(self.rows * self._buf_numel, dtype=self.dtype, device=self.target.device)
+            # all-reduce: the bucket, then the group's scratch (the peer's bucket, gloo with two ranks)
+            inp = torch.empty(self.rows * self._buf_numel + self._all_reduce_scratch(), dtype=self.dtype,
+                              device=self.target.device)
             # reduce-scatter: the output, then the group's scratch (received rows on gloo)
             out = inp[:self._buf_numel] if self.mode is ReduceMode.ALL_REDUCE else torch.empty(
                 self._out_numel(), dtype=self.dtype, device=self.target.device)
@@ -229,6 +231,9 @@ class GradBuckets:
             if self.mode is ReduceMode.REDUCE_SCATTER:
                 handle = self.group.reduce_scatter(out[:rows], inp[:self.rows * rows], async_op=True,
                                                    scratch=out[self._buf_numel:], channel=Channel.REDUCE)
+            elif self._all_reduce_scratch():
+                handle = self.group.all_reduce(inp[:rows], async_op=True, channel=Channel.REDUCE,
+                                               scratch=inp[self._buf_numel:self._buf_numel + rows])
             else:
                 handle = self.group.all_reduce(inp[:rows], async_op=True)
             self._count_launch(b, Cut.END if force else self.buckets[b].cut)
@@ -289,8 +294,12 @@ class GradBuckets:
 
     def buffer_bytes(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        per = self.rows * self._buf_numel + (0 if self.mode is ReduceMode.ALL_REDUCE else self._out_numel())
+        per = self.rows * self._buf_numel + (self._all_reduce_scratch() if self.mode is ReduceMode.ALL_REDUCE
+                                             else self._out_numel())
         return self.pool_size * per * elem
+
+    def _all_reduce_scratch(self) -> int:
+        return self.group.all_reduce_scratch_numel(self._buf_numel) if self.mode is ReduceMode.ALL_REDUCE else 0
 
     def _out_numel(self) -> int:
         return self._buf_numel + self.group.scratch_numel(self._buf_numel)
