@@ -62,7 +62,7 @@ def test_fixed_buckets_of_a_model_smaller_than_one_bucket_reduce_during_backward
     target = torch.zeros(layout.full_numel)
     reducer = GradBuckets(layout, SoloGroup(), target, mode=ReduceMode.ALL_REDUCE, bucket_bytes=16 * 2**20,
                           dtype=torch.float32, unit_order=default_unit_order(layout))
-    assert [b.row_numel * 4 for b in reducer.buckets] == [2**20] * 4 and reducer.max_inflight == 2
+    assert [b.row_numel * 4 for b in reducer.buckets] == [2**20] * 4 and reducer.max_inflight == 16
     reducer.begin_backward(accepting=True)
     grads = {n: torch.randn(layout.slots[n].numel) for n in layout.param_names}
     for name in reversed(layout.param_names):

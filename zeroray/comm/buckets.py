@@ -17,9 +17,11 @@ is allocated once and reused every step; with ``max_inflight`` reductions in fli
 waits for the oldest to finish rather than allocating a buffer (unless every buffer is still
 being filled: arrival order far from the plan). One in flight for full-size buckets, which
 keeps the pool at the paper's few C_B; two where buckets are cut small by the flush timeout
-(``timed=True``) or sized from a model smaller than ``bucket_bytes`` ([Note: first bucket] in
-bucket_plan.py): a bucket's first gradient would otherwise wait for the reduction of the
-bucket just launched, in the middle of backward. A fixed plan's first bucket is small (1 MiB,
+(``timed=True``): a bucket's first gradient would otherwise wait for the reduction of the
+bucket just launched, in the middle of backward. Where buckets are sized from a model smaller
+than ``bucket_bytes`` ([Note: first bucket] in bucket_plan.py), as many as fit in
+``bucket_bytes`` (all of a small model's): the pool holds what one full-size bucket would,
+and backward never waits for a peer's progress through an earlier bucket. A fixed plan's first bucket is small (1 MiB,
 as DDP's), so that a reduction starts early in backward.
 
 In a negotiated stage-3 step (negotiate.py) over a backend without independent channels
@@ -109,9 +111,10 @@ class GradBuckets:
         else:  # [Note: first bucket] in bucket_plan.py
             self.capacity = max(fixed_capacity(bucket_bytes, self.model_bytes) // self.column_bytes, 1)
             first = max(FIRST_BUCKET_BYTES // self.column_bytes, 1)
-        # Reductions in flight before a bucket waits (module docstring): two where buckets are
-        # cut smaller than bucket_bytes (by the timeout, or sized from the model).
-        self.max_inflight = 2 if self.timed or self.capacity * self.column_bytes < bucket_bytes else 1
+        # Reductions in flight before a bucket waits (module docstring): two where buckets are cut
+        # small by the timeout; as many as bucket_bytes holds where they are sized from the model.
+        sized = self.capacity * self.column_bytes
+        self.max_inflight = 2 if self.timed else max(bucket_bytes // sized, 2) if sized < bucket_bytes else 1
         self.buckets = []
         self.copies: Dict[str, List[_Copy]] = {}
         for index, spec in enumerate(pack(self.unit_order, self.unit_columns, self.capacity, cuts, first)):
