@@ -2,6 +2,7 @@
 
     python benchmarks/engine_phases.py ddp s1 s3 's3{"prefetch": false}' [--large]
     PROF=1 python benchmarks/engine_phases.py s3      # also cProfile rank 0's timed steps
+    MODEL=mha python benchmarks/engine_phases.py ddp s0   # another model of bench_models.py
 
 Each argument is a row run in the same 2 spawned gloo processes, one after another: ``ddp``,
 ``coll`` (13 MB all-reduce / reduce-scatter / all-gather), or ``s<stage>`` optionally followed
@@ -16,7 +17,6 @@ is the issue's "exposed communication" comparison as a median over steps.
 from __future__ import annotations
 
 import cProfile
-import functools
 import json
 import os
 import pstats
@@ -33,7 +33,7 @@ for _path in (os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "examples"), 
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from common import BenchSpec, build_model, global_batches, gpt_config, worker_slice  # noqa: E402
+from common import BenchSpec, build_model, global_batches, worker_slice  # noqa: E402
 
 
 def _medians(rows: list, warmup: int) -> dict:
@@ -64,7 +64,8 @@ def collectives_row(rank: int, world: int, port: int) -> dict:
 
 def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, overrides: dict) -> dict:
     import zeroray as zr
-    from gpt import GPT, gpt_loss
+    from bench_models import lm_loss
+    from common import model_fn
     from zeroray.comm.group import make_torch_group
     from zeroray.engine import Engine
 
@@ -79,7 +80,7 @@ def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, ov
             return result
         return wrapper
 
-    engine = Engine(functools.partial(GPT, gpt_config(spec)), timed("fwd", gpt_loss),
+    engine = Engine(model_fn(spec), timed("fwd", lm_loss),
                     zr.AdamW(lr=spec.lr, weight_decay=spec.weight_decay),
                     zr.ZeroConfig(stage=stage, **overrides), group, seed=spec.seed)
     engine.reducer.finish = timed("finish", engine.reducer.finish)
@@ -112,7 +113,7 @@ def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, ov
 
 def ddp_row(rank: int, world: int, port: int, spec: BenchSpec) -> dict:
     import torch.distributed as dist
-    from gpt import gpt_loss
+    from bench_models import lm_loss as gpt_loss
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -136,7 +137,9 @@ def ddp_row(rank: int, world: int, port: int, spec: BenchSpec) -> dict:
 
 def _rank(rank: int, world: int, ports: list, rows: list, large: bool, out: str) -> None:
     torch.set_num_threads(1)
-    spec = BenchSpec(d_model=512, n_layers=8, n_heads=8, timed_steps=8) if large else BenchSpec(timed_steps=10)
+    model = os.environ.get("MODEL", "gpt")  # bench_models.MODELS
+    spec = BenchSpec(d_model=512, n_layers=8, n_heads=8, timed_steps=8, model=model) if large else \
+        BenchSpec(timed_steps=10, model=model)
     results = []
     for port, row in zip(ports, rows):
         if row == "coll":

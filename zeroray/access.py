@@ -14,6 +14,9 @@ a freed buffer. Ops that only read metadata (shape, dtype, ``size()``, the ``.gr
 attribute, hook registration) do not count as reads. Nothing is attached to the tensors:
 the side table maps ``id(param)`` to the parameter's name and unit.
 
+At stages 1-2, where parameters are resident, the class is installed only while a publish
+is writing into them ([Note: reads during a publish] in fetch.py); stage 3 keeps it on.
+
 Only code that goes through torch's Python API is seen; a C++ extension handed a parameter
 directly is not (it would find its storage empty and fail, never read stale memory).
 Autograd's own reads in backward go through the saved-tensor hooks instead (fetch.py).
@@ -53,14 +56,20 @@ class ParameterAccess:
         self.cls = _make_class(weakref.ref(self))
 
     def install(self) -> None:
+        """Reads are seen from now on (again, after ``suspend``)."""
         for p in self._params.values():
             p.__class__ = self.cls
 
-    def remove(self) -> None:
-        """Back to plain nn.Parameter: the class (and through it this object) is released."""
+    def suspend(self) -> None:
+        """Plain nn.Parameters until the next ``install``: no read is seen, none costs anything
+        (stages 1-2 between publishes: [Note: reads during a publish] in fetch.py)."""
         for p in self._params.values():
             if type(p) is self.cls:
                 p.__class__ = torch.nn.Parameter
+
+    def remove(self) -> None:
+        """Back to plain nn.Parameter: the class (and through it this object) is released."""
+        self.suspend()
         self._params.clear()
         self._table.clear()
 

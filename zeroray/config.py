@@ -39,8 +39,11 @@ class ZeroConfig:
     dtype: compute dtype of parameters and gradients; the optimizer keeps an fp32 master shard.
     reduce_dtype: dtype gradients are reduced in (None: fp32).
     bucket_bytes: size of one coalescing bucket (C_B) for gradient reduction and gathers, or
-        "auto": gradient buckets start at the default size and, between steps, move to the
-        size of the largest run of gradients that arrive within the flush timeout of each other
+        "auto". With fixed buckets (no timeout, not "auto") the gradients' first bucket holds at
+        most 1 MiB and none more than an eighth of the model's gradients (at least 1 MiB), as
+        DDP cuts them, so that reduction runs during backward ([Note: first bucket] in
+        comm/bucket_plan.py). "auto": gradient buckets start at the default size and, between
+        steps, move to the size of the largest run of gradients that arrive within the flush timeout of each other
         (each change logged on the "zeroray" logger); gathers keep the default size.
     bucket_timeout_ms: flush timeout of a gradient bucket (None: off, a bucket is launched when
         full and at the end of backward). A bucket is also launched when this long has passed

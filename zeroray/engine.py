@@ -279,7 +279,10 @@ class Engine:
         trainable = {n: named[n] for n in self.layout.param_names}
         self.access = ParameterAccess(trainable, {n: self.layout.slots[n].unit for n in trainable},
                                       self.coordinator.on_access)
-        self.access.install()
+        if self.policy.reshard_after_use:
+            self.access.install()
+        else:  # stages 1-2: only while a publish is in flight ([Note: reads during a publish] in fetch.py)
+            self.coordinator.on_publish, self.coordinator.on_resident = self.access.install, self.access.suspend
 
     def _reduce_for_negotiation(self) -> None:
         """Without independent channels a negotiated micro-batch reduces after its rounds (comm/buckets.py)."""

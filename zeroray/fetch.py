@@ -20,6 +20,15 @@ the gathers run while the driver sends the next batch and while the earlier modu
 compute (the paper's overlap, as stage 3's prefetch does). ``flush`` finishes whatever is
 still in flight; every path that reads or rewrites the full parameters calls it first.
 
+[Note: reads during a publish]
+At stages 1-2 a parameter is only unsafe to read while its unit's publish gather is writing
+into it: from ``publish`` until that gather was waited for. Only then does the engine need to
+see reads made outside the hooked modules ([Note: parameter access] in access.py): it turns
+the parameters' access class on when a publish starts (``on_publish``) and off once every
+unit's gather was waited for (``on_resident``: in the first forward, at the latest in
+``flush`` or at the end of the micro-batch), so the rest of the step's ops on parameters run
+as on plain ones. Stage 3 keeps it on throughout.
+
 [Note: plan exit]
 A rank whose events leave the trace (a branch the others may not take, an error in its
 ``loss_fn``) cannot fetch off the plan: its peers are issuing the plan's gathers. So it
@@ -106,6 +115,11 @@ class FetchCoordinator:
         self._issued = 0              # schedule groups issued (FOLLOW)
         self._dry: List[GatherHandle] = []
         self.on_negotiate: Callable[[], None] = lambda: None  # the engine adapts its reductions
+        # Stages 1-2: a publish started, and every unit's publish gather was waited for
+        # ([Note: reads during a publish]); the engine turns the parameters' access on and off.
+        self.on_publish: Callable[[], None] = lambda: None
+        self.on_resident: Callable[[], None] = lambda: None
+        self._publishing = 0  # units whose publish gather was not waited for yet
         self._hooks: list = []
         self._logged: set = set()
         self.stats: dict = {}
@@ -174,7 +188,7 @@ class FetchCoordinator:
             if self.reshard:
                 self.units.free(u, self.wait)
             else:
-                self.units.wait(u, self.wait)
+                self._wait_resident(u)
         self.gatherer.release_discard()
         self._stack, self._held = [], {}
 
@@ -245,17 +259,28 @@ class FetchCoordinator:
     def flush(self) -> None:
         """Finish every gather in flight (stages 1-2 publish); see [Note: deferred publish]."""
         for u in self.units.holding():
-            self.units.wait(u, self.wait)
+            self._wait_resident(u)
         if not self.reshard:
             self.gatherer.release_idle()
 
     def publish(self) -> None:
         """Stages 1-2, after the optimizer step: start gathering every unit from the updated shard."""
+        self.on_publish()
+        self._publishing = len(self.units)
         for group_units in self.gatherer.coalesce([u.index for u in self.units]):
             handle = self.gatherer.gather(group_units, [self.units[u].full for u in group_units],
                                           channel=Channel.GATHER)
             for u in group_units:
                 self.units[u].start_gather(handle)
+
+    def _wait_resident(self, unit: int) -> None:
+        """Wait for ``unit``'s gather; at stages 1-2, once the last publish gather is done, say
+        so (``on_resident``): see [Note: reads during a publish]."""
+        finished = self.units.wait(unit, self.wait)
+        if finished and not self.reshard and self._publishing:
+            self._publishing = max(self._publishing - finished, 0)
+            if not self._publishing:
+                self.on_resident()
 
     # --- events ----------------------------------------------------------------------------
 
@@ -294,7 +319,7 @@ class FetchCoordinator:
         state = self.units[unit].state
         if self.mode is Mode.IDLE:
             if state is UnitState.GATHERING:
-                self.units.wait(unit, self.wait)
+                self._wait_resident(unit)
             elif state is UnitState.SHARDED:
                 module = self.layout.units[unit].module or "<root>"
                 raise ParameterAccessError(
@@ -305,7 +330,7 @@ class FetchCoordinator:
             return
         if self.mode is Mode.PERSISTENT:
             if state is UnitState.GATHERING:
-                self.units.wait(unit, self.wait)
+                self._wait_resident(unit)
             return
         expected = self.mode is Mode.FOLLOW and self._pos < len(self.schedule) and \
             self.schedule.events[self._pos] == (EventKind.ACCESS, unit)
@@ -334,7 +359,7 @@ class FetchCoordinator:
         if self.mode is Mode.PERSISTENT:
             if kind is EventKind.FORWARD:
                 for u in self.module_needs[index]:
-                    self.units.wait(u, self.wait)
+                    self._wait_resident(u)
                 self.gatherer.release_idle()  # the publish's staging, once its last gather is waited for
             return
         released = self._track(kind, index)

@@ -157,12 +157,16 @@ class Units:
         """Units whose full buffer holds memory (stage 3) or a gather in flight."""
         return [u.index for u in self.units if u.state is not UnitState.SHARDED]
 
-    def wait(self, index: int, waiter: Callable) -> None:
-        """Finish the gather that fills unit ``index`` (all units it covers become GATHERED)."""
+    def wait(self, index: int, waiter: Callable) -> int:
+        """Finish the gather that fills unit ``index`` (all units it covers become GATHERED);
+        how many units that finished (0: it was not gathering)."""
         unit = self.units[index]
+        finished = 0
         if unit.state is UnitState.GATHERING:
             handle = unit.handle
             waiter(handle)
             for v in handle.units:
                 if self.units[v].handle is handle:
                     self.units[v].gathered()
+                    finished += 1
+        return finished

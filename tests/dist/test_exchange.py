@@ -28,6 +28,12 @@ def _rank(rank, world, port, out_dir):
             p2p.all_gather(got_ag, got_rs)  # synchronous, and no scratch given to the next one
             p2p.reduce_scatter(torch.empty(n), full)
             results[n] = ((got_rs - want_rs).abs().max().item(), torch.equal(got_ag, want_ag))
+            scratch_numel = p2p.all_reduce_scratch_numel(world * n)
+            if scratch_numel:  # two ranks: stage 0's buckets exchange directly (all_reduce_pair)
+                want_ar, got_ar = full.clone(), full.clone()
+                native.all_reduce(want_ar)
+                p2p.all_reduce(got_ar, async_op=True, scratch=torch.empty(scratch_numel)).wait()
+                results[n] += (torch.equal(got_ar, want_ar), got_ar)
         # Several gathers in one exchange, each into its own output (comm/gather.py: no staging).
         inps = [torch.randn(n) for n in (3, 1000, 1, 257)]
         wants = [torch.empty(world * x.numel()) for x in inps]
@@ -80,9 +86,15 @@ def test_exchange_matches_gloo_collectives_and_times_and_times_out():
     for world in (2, 3):
         ranks = _run(world)
         for r, out in enumerate(ranks):
-            for n, (rs_err, ag_equal) in out["results"].items():
+            for n, (rs_err, ag_equal, *all_reduce) in out["results"].items():
                 assert rs_err <= 1e-5, (world, r, n, rs_err)
                 assert ag_equal, (world, r, n)
+                # the direct all-reduce of two ranks (the sized rows, not the pieces): gloo's sum,
+                # the same bits on both ranks
+                assert bool(all_reduce) == (world == 2 and isinstance(n, int)), (world, n, all_reduce)
+                if all_reduce:
+                    assert all_reduce[0], (world, r, n)
+                    assert torch.equal(all_reduce[1], ranks[0]["results"][n][3]), (world, r, n)
             exposed, total, seen_done = out["counter"]
             # stamped when the watcher saw it complete, not when the caller came to wait: the
             # 0.3 s between completion and wait() count in neither

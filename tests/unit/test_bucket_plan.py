@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from zeroray.arena import FlatLayout
-from zeroray.comm.bucket_plan import (AUTO_MAX_BYTES, AUTO_MIN_BYTES, Cut, Timeline, auto_capacity, pack,
-                                      simulate)
+from zeroray.comm.bucket_plan import (AUTO_MAX_BYTES, AUTO_MIN_BYTES, FIRST_BUCKET_BYTES, MODEL_BUCKETS, Cut,
+                                      Timeline, auto_capacity, fixed_capacity, pack, simulate)
 from zeroray.comm.bucket_tuner import BucketTuner
 from zeroray.comm.buckets import GradBuckets, default_unit_order
 from zeroray.comm.group import SoloGroup
@@ -39,6 +39,37 @@ def test_pack_fills_to_capacity_and_ends_after_cuts():
     # Plan order, not unit index order; a unit without columns takes no piece.
     buckets = pack([2, 0, 1], {0: 1, 1: 0, 2: 2}, 8)
     assert [(p.unit, p.off) for p in buckets[0].pieces] == [(2, 0), (0, 2)]
+
+
+def test_a_fixed_plan_starts_with_a_small_bucket_and_is_sized_for_the_model():
+    """[Note: first bucket]: the first bucket holds at most ``first`` columns, the rest ``capacity``."""
+    columns = {0: 5, 1: 3, 2: 7}
+    assert sizes(pack([0, 1, 2], columns, 6, first=2)) == [(2, Cut.FULL), (6, Cut.FULL), (6, Cut.FULL), (1, Cut.END)]
+    assert sizes(pack([0, 1, 2], columns, 4, first=9)) == sizes(pack([0, 1, 2], columns, 4))
+    # A timeout cut inside the small first bucket still ends it there.
+    assert sizes(pack([1, 0, 2], columns, 6, cuts={1}, first=4)) == [(3, Cut.TIMEOUT), (6, Cut.FULL), (6, Cut.END)]
+    mib = 2**20
+    assert fixed_capacity(16 * mib, 13 * mib) == -(-13 * mib // MODEL_BUCKETS)  # a small model: several buckets
+    assert fixed_capacity(16 * mib, 400 * mib) == 16 * mib                      # a large one keeps bucket_bytes
+    assert fixed_capacity(16 * mib, 2 * mib) == FIRST_BUCKET_BYTES              # never under 1 MiB
+    assert fixed_capacity(64, 2 * mib) == 64                                    # never over bucket_bytes
+
+
+def test_fixed_buckets_of_a_model_smaller_than_one_bucket_reduce_during_backward():
+    """A 4 MiB model with the default 16 MiB buckets: a 1 MiB first bucket, then buckets of an
+    eighth of the model (1 MiB floor), launched as their gradients arrive, with the same sums."""
+    layout = FlatLayout([(f"m{i}", [(f"m{i}.w", (2**18,))]) for i in range(4)], 1)  # 1 MiB per unit
+    target = torch.zeros(layout.full_numel)
+    reducer = GradBuckets(layout, SoloGroup(), target, mode=ReduceMode.ALL_REDUCE, bucket_bytes=16 * 2**20,
+                          dtype=torch.float32, unit_order=default_unit_order(layout))
+    assert [b.row_numel * 4 for b in reducer.buckets] == [2**20] * 4 and reducer.max_inflight == 16
+    reducer.begin_backward(accepting=True)
+    grads = {n: torch.randn(layout.slots[n].numel) for n in layout.param_names}
+    for name in reversed(layout.param_names):
+        reducer.add_grad(name, grads[name])
+    assert reducer.take_stats()["full"] == 3  # launched during "backward", before finish
+    reducer.finish()
+    assert torch.equal(target, torch.cat([grads[n] for n in layout.param_names]))
 
 
 def test_timeout_cuts_where_the_next_gradients_come_too_late():

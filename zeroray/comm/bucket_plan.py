@@ -43,6 +43,16 @@ launches the rest (missing gradients count as zero), as without a plan. A plan c
 only between steps, on every rank at the same step, and changes the grouping of the
 gradients, never their values: each element is still the sum over ranks of the same numbers.
 
+[Note: first bucket]
+A fixed plan (no timeout, not "auto") is cut the way torch DDP cuts its buckets: the first
+bucket in gradient order holds at most ``FIRST_BUCKET_BYTES`` (DDP's 1 MiB), so that a
+reduction is under way after the first gradients of backward, not after the first
+``bucket_bytes`` of them; and no bucket holds more than a ``MODEL_BUCKETS``-th of the model's
+gradients (never less than ``FIRST_BUCKET_BYTES``), so that a model smaller than one bucket
+(the default 16 MiB holds a whole small model) still reduces in several buckets while
+backward runs, instead of one after it, with the whole reduction exposed. Larger models keep
+``bucket_bytes``. Both only regroup the gradients: every element is the same sum.
+
 [Note: bucket sizing]
 ``ZeroConfig(bucket_bytes="auto")`` reads the size from the same replay. With no bound on
 the size, the timeout alone groups the units into *bursts*: runs of gradients that complete
@@ -66,8 +76,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import AbstractSet, Dict, List, Sequence, Tuple
+from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 
+FIRST_BUCKET_BYTES = 2**20
+MODEL_BUCKETS = 8
 AUTO_MIN_BYTES = 64 * 2**10
 AUTO_MAX_BYTES = 256 * 2**20
 SHRINK_MARGIN = 0.8
@@ -97,25 +109,30 @@ class BucketSpec:
 
 
 def pack(order: Sequence[int], columns: Dict[int, int], capacity: int,
-         cuts: AbstractSet[int] = frozenset()) -> List[BucketSpec]:
-    """Units in ``order`` (``columns[u]`` each) into buckets of at most ``capacity`` columns; a
-    bucket also ends after every unit in ``cuts`` ([Note: bucket timeout])."""
+         cuts: AbstractSet[int] = frozenset(), first: Optional[int] = None) -> List[BucketSpec]:
+    """Units in ``order`` (``columns[u]`` each) into buckets of at most ``capacity`` columns, the
+    first one of at most ``first`` ([Note: first bucket]); a bucket also ends after every unit in
+    ``cuts`` ([Note: bucket timeout])."""
     assert capacity >= 1
     buckets: List[BucketSpec] = []
     bucket = BucketSpec()
     cut_here = False  # the previous unit ends a bucket (decided when more columns follow)
+
+    def size() -> int:  # the capacity of the bucket being filled
+        return max(min(first, capacity), 1) if first is not None and not buckets else capacity
+
     for u in order:
         n, a = columns[u], 0
-        if n and cut_here and 0 < bucket.row_numel < capacity:
+        if n and cut_here and 0 < bucket.row_numel < size():
             bucket.cut = Cut.TIMEOUT
             buckets.append(bucket)
             bucket = BucketSpec()
         while a < n:
-            if bucket.row_numel == capacity:
+            if bucket.row_numel >= size():
                 bucket.cut = Cut.FULL
                 buckets.append(bucket)
                 bucket = BucketSpec()
-            b = min(n, a + capacity - bucket.row_numel)
+            b = min(n, a + size() - bucket.row_numel)
             bucket.pieces.append(Piece(u, a, b, bucket.row_numel))
             bucket.row_numel += b - a
             a = b
@@ -175,6 +192,13 @@ def simulate(order: Sequence[int], columns: Dict[int, int], capacity: int, timel
     if fill:
         out.append((fill, Cut.END))
     return Simulation(frozenset(cuts), tuple(out))
+
+
+def fixed_capacity(bucket_bytes: int, model_bytes: int) -> int:
+    """The size of a fixed plan's buckets, in bytes: ``bucket_bytes``, but no more than a
+    ``MODEL_BUCKETS``-th of the model's gradients (nor under ``FIRST_BUCKET_BYTES``), so that a
+    model smaller than one bucket still reduces in several, during backward ([Note: first bucket])."""
+    return min(bucket_bytes, max(FIRST_BUCKET_BYTES, -(-model_bytes // MODEL_BUCKETS)))
 
 
 def auto_capacity(order: Sequence[int], columns: Dict[int, int], timeline: Timeline, timeout_us: int,

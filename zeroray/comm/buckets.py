@@ -18,7 +18,11 @@ waits for the oldest to finish rather than allocating a buffer (unless every buf
 being filled: arrival order far from the plan). One in flight for full-size buckets, which
 keeps the pool at the paper's few C_B; two where buckets are cut small by the flush timeout
 (``timed=True``): a bucket's first gradient would otherwise wait for the reduction of the
-bucket just launched, in the middle of backward.
+bucket just launched, in the middle of backward. Where buckets are sized from a model smaller
+than ``bucket_bytes`` ([Note: first bucket] in bucket_plan.py), as many as fit in
+``bucket_bytes`` (all of a small model's): the pool holds what one full-size bucket would,
+and backward never waits for a peer's progress through an earlier bucket. A fixed plan's first bucket is small (1 MiB,
+as DDP's), so that a reduction starts early in backward.
 
 In a negotiated stage-3 step (negotiate.py) over a backend without independent channels
 (NCCL), ``hold=True`` keeps every launch for ``finish``, after the agreement rounds, so the
@@ -41,7 +45,7 @@ from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zeroray.arena import FlatLayout
-from zeroray.comm.bucket_plan import Cut, Piece, Timeline, pack
+from zeroray.comm.bucket_plan import FIRST_BUCKET_BYTES, Cut, Piece, Timeline, fixed_capacity, pack
 from zeroray.comm.group import Channel, Group
 from zeroray.stage import ReduceMode
 
@@ -73,9 +77,10 @@ class GradBuckets:
         self.layout, self.group, self.target, self.mode, self.dtype = layout, group, target, mode, dtype
         self.rows = group.world_size if mode is ReduceMode.REDUCE_SCATTER else 1
         self.unit_order = list(unit_order)
-        self.max_inflight = 2 if timed else 1  # reductions in flight before a bucket waits (module docstring)
+        self.timed = timed
         self.unit_columns = {u.index: self._row(u)[0] for u in layout.units}
         self.column_bytes = self.rows * torch.tensor([], dtype=dtype).element_size()
+        self.model_bytes = sum(self.unit_columns.values()) * self.column_bytes
         self._free: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.pool_size = 0
         self._buf_numel = 0     # columns the pooled buffers were allocated for
@@ -100,10 +105,19 @@ class GradBuckets:
         """Install the plan of ``bucket_bytes`` buckets ending after ``cuts`` (between steps only)."""
         assert not self._inflight and not self._bufs, "a new plan is installed between steps only"
         self.bucket_bytes = bucket_bytes
-        self.capacity = max(bucket_bytes // self.column_bytes, 1)  # columns per bucket
+        first = None
+        if self.timed:  # the tuner's plan: its size and timeout cuts
+            self.capacity = max(bucket_bytes // self.column_bytes, 1)  # columns per bucket
+        else:  # [Note: first bucket] in bucket_plan.py
+            self.capacity = max(fixed_capacity(bucket_bytes, self.model_bytes) // self.column_bytes, 1)
+            first = max(FIRST_BUCKET_BYTES // self.column_bytes, 1)
+        # Reductions in flight before a bucket waits (module docstring): two where buckets are cut
+        # small by the timeout; as many as bucket_bytes holds where they are sized from the model.
+        sized = self.capacity * self.column_bytes
+        self.max_inflight = 2 if self.timed else max(bucket_bytes // sized, 2) if sized < bucket_bytes else 1
         self.buckets = []
         self.copies: Dict[str, List[_Copy]] = {}
-        for index, spec in enumerate(pack(self.unit_order, self.unit_columns, self.capacity, cuts)):
+        for index, spec in enumerate(pack(self.unit_order, self.unit_columns, self.capacity, cuts, first)):
             self.buckets.append(Bucket(index, spec.pieces, spec.row_numel, cut=spec.cut))
         self._copies()
         self.max_row_numel = max((b.row_numel for b in self.buckets), default=0)
@@ -160,7 +174,9 @@ class GradBuckets:
         if self._free:
             inp, out = self._free.pop()
         else:
-            inp = torch.empty(self.rows * self._buf_numel, dtype=self.dtype, device=self.target.device)
+            # all-reduce: the bucket, then the group's scratch (the peer's bucket, gloo with two ranks)
+            inp = torch.empty(self.rows * self._buf_numel + self._all_reduce_scratch(), dtype=self.dtype,
+                              device=self.target.device)
             # reduce-scatter: the output, then the group's scratch (received rows on gloo)
             out = inp[:self._buf_numel] if self.mode is ReduceMode.ALL_REDUCE else torch.empty(
                 self._out_numel(), dtype=self.dtype, device=self.target.device)
@@ -218,6 +234,9 @@ class GradBuckets:
             if self.mode is ReduceMode.REDUCE_SCATTER:
                 handle = self.group.reduce_scatter(out[:rows], inp[:self.rows * rows], async_op=True,
                                                    scratch=out[self._buf_numel:], channel=Channel.REDUCE)
+            elif self._all_reduce_scratch():
+                handle = self.group.all_reduce(inp[:rows], async_op=True, channel=Channel.REDUCE,
+                                               scratch=inp[self._buf_numel:self._buf_numel + rows])
             else:
                 handle = self.group.all_reduce(inp[:rows], async_op=True)
             self._count_launch(b, Cut.END if force else self.buckets[b].cut)
@@ -278,8 +297,12 @@ class GradBuckets:
 
     def buffer_bytes(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        per = self.rows * self._buf_numel + (0 if self.mode is ReduceMode.ALL_REDUCE else self._out_numel())
+        per = self.rows * self._buf_numel + (self._all_reduce_scratch() if self.mode is ReduceMode.ALL_REDUCE
+                                             else self._out_numel())
         return self.pool_size * per * elem
+
+    def _all_reduce_scratch(self) -> int:
+        return self.group.all_reduce_scratch_numel(self._buf_numel) if self.mode is ReduceMode.ALL_REDUCE else 0
 
     def _out_numel(self) -> int:
         return self._buf_numel + self.group.scratch_numel(self._buf_numel)

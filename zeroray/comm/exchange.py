@@ -1,4 +1,4 @@
-"""Reduce-scatter and all-gather built from gloo's point-to-point sends and receives.
+"""Reduce-scatter and all-gather (and two ranks' all-reduce) from gloo's point-to-point sends and receives.
 
 [Note: gloo point-to-point]
 Gloo's own ``_reduce_scatter_base`` and ``_allgather_base`` are several times slower than
@@ -12,7 +12,9 @@ benchmarks/collectives.py``). So on gloo both are a direct exchange:
   peers' copies of its own row, the first straight into the output and the others into a
   scratch buffer of W-2 rows (none for two workers), and sums them when they arrived (in the
   order mine + first + the rest: addition is commutative, so the sum is the same bits as
-  adding the first to mine).
+  adding the first to mine);
+* all-reduce of two ranks (stage 0's gradient buckets): each sends its whole tensor to the
+  other and adds what it received, the same bytes as a ring all-reduce of two.
 
 Each rank sends (W-1)/W of the payload, as the ring does (so [Note: bytes counted] holds).
 All sends and receives are posted at once and never block, so there is no ordering among
@@ -185,6 +187,21 @@ class PeerExchange:
             out.add_(mine)  # = mine + first peer's row, bit for bit (commutative)
             for i in range(1, len(self.peers)):
                 out.add_(received[i])
+
+        return self._submit(Exchange(works, finish, self.counter, started), channel)
+
+
+    def all_reduce_pair(self, t: torch.Tensor, scratch: torch.Tensor, channel: int = 1) -> Exchange:
+        """Two ranks: ``t`` becomes the sum of both ranks' ``t``. Each sends its whole ``t`` and
+        receives the peer's into ``scratch`` (what a ring all-reduce sends for W=2, as one
+        message each way), then adds it: x0 + x1 is the same bits on both ranks (commutative)."""
+        assert self.world_size == 2 and scratch.numel() == t.numel(), (self.world_size, scratch.shape, t.shape)
+        started, tag = time.perf_counter(), self._tag(channel)
+        peer = self.peers[0]
+        works = self._post([(t, peer)], [(scratch, peer)], tag)
+
+        def finish() -> None:
+            t.add_(scratch)
 
         return self._submit(Exchange(works, finish, self.counter, started), channel)
 

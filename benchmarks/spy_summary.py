@@ -1,0 +1,21 @@
+"""Shares of Engine.train_step on the worker's compute thread in a spy_worker.py profile, by phase."""
+import sys,collections
+path, label = sys.argv[1], sys.argv[2]
+CATS=[('forward (loss_fn)','lm_loss'),('backward (run_backward, incl. grad hooks)','_engine_run_backward'),('grad hooks: Engine._grad_ready -> GradBuckets.add_grad','_grad_ready'),
+('ParameterAccess.__torch_function__ (cumulative, includes the op it runs)','access.py'),('  of which Python overhead (leaf in access.py other than the op line, on_access)','@@'),
+('GradBuckets.finish (waiting for the reductions after backward)','GradBuckets.finish'),('GradBuckets._acquire waiting mid-backward','GradBuckets._acquire'),('status all-reduce (Engine._status)','Engine._status'),('optimizer (ShardedOptimizer.step)','ShardedOptimizer.step'),('publish (Engine._publish)','Engine._publish'),('fetch waits (Units.wait)','Units.wait')]
+c=collections.Counter(); step=0; cat=collections.Counter()
+for l in open(path):
+    if '_ComputeThread._loop' not in l: continue
+    st,_,n=l.rstrip().rpartition(' '); n=int(n)
+    if 'Engine.train_step' not in st: continue
+    step+=n; fr=st.split(';'); leaf=fr[-1]
+    for name,key in CATS:
+        if key=='@@':
+            if ('access.py' in leaf and ':86)' not in leaf) or 'on_access' in leaf or '_is_metadata' in leaf: cat[name]+=n
+        elif key in st: cat[name]+=n
+    c[leaf]+=n
+print(f'# {label}: train_step samples {step}')
+for name,_ in CATS: print(f'{cat[name]/step:6.1%}  {name}')
+print('# top leaf frames')
+for k,n in c.most_common(8): print(f'{n/step:6.1%}  {k}')
