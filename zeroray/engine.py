@@ -275,6 +275,7 @@ class Engine:
             reshard=self.policy.reshard_after_use, prefetch=z.prefetch, prefetch_bytes=z.prefetch_bytes,
             max_live_bytes=z.max_live_bytes, reuse_distance=z.reuse_distance)
         self.coordinator.on_negotiate = self._reduce_for_negotiation
+        self.coordinator.before_done_rounds = self._launch_before_rounds
         self.gatherer.wait = self.waiter
         trainable = {n: named[n] for n in self.layout.param_names}
         self.access = ParameterAccess(trainable, {n: self.layout.slots[n].unit for n in trainable},
@@ -287,6 +288,14 @@ class Engine:
     def _reduce_for_negotiation(self) -> None:
         """Without independent channels a negotiated micro-batch reduces after its rounds (comm/buckets.py)."""
         self.reducer.hold = not self.group.independent_channels
+
+    def _launch_before_rounds(self) -> None:
+        """A stage-3 micro-batch is computed: launch its reductions still short of gradients (what
+        this rank did not produce counts as zero) before it ends its fetch protocol
+        (FetchCoordinator._launch_before_done says why). Where all collectives share one order
+        (NCCL, [Note: channels]) they stay where they were, after it: no wait blocks there."""
+        if self.group.independent_channels:
+            self.reducer.launch_all()
 
     def _register_grad_hooks(self, named) -> None:
         self._used = dict.fromkeys(self.layout.param_names, 0.0)

@@ -120,6 +120,7 @@ class FetchCoordinator:
         self.on_publish: Callable[[], None] = lambda: None
         self.on_resident: Callable[[], None] = lambda: None
         self._publishing = 0  # units whose publish gather was not waited for yet
+        self.before_done_rounds: Callable[[], None] = lambda: None  # the engine launches its reductions
         self._hooks: list = []
         self._logged: set = set()
         self.stats: dict = {}
@@ -162,6 +163,7 @@ class FetchCoordinator:
 
     def finish_backward(self) -> None:
         """Before the micro-batch's reductions are waited for: complete the fetch protocol."""
+        self._launch_before_done()
         self.compute_done = True
         if self.mode is Mode.FOLLOW and self._pos != len(self.schedule):
             # A prefix of the trace: nothing more to fetch, only the rest of the plan to take part in.
@@ -173,11 +175,23 @@ class FetchCoordinator:
     def abort_micro_batch(self) -> None:
         """This rank stops computing the micro-batch (its code raised): take part in every gather
         its peers still expect of it, and in their rounds."""
+        self._launch_before_done()
         self.compute_done = True
         if self.mode is Mode.FOLLOW:
             self._issue_rest_dry()
         elif self.mode is Mode.NEGOTIATE:
             self._finish_rounds(self.micro_batch)
+
+    def _launch_before_done(self) -> None:
+        """Stage 3, this rank computed its micro-batch: the engine launches the reductions its
+        backward left short of gradients (``before_done_rounds``) before this rank says it is
+        done, while a wait still only answers its peers' rounds (``poll``). A peer may be blocked
+        in its backward on one of them (a bucket holding a gradient only that peer produced: a
+        module only it ran, with small buckets) and can only be done once it is launched. They
+        were launched after the rounds that end the micro-batch, which wait for every rank to be
+        done: a deadlock (found by the issue-24 fuzzer; tests/dist/test_negotiated_small_buckets.py)."""
+        if self.reshard:
+            self.before_done_rounds()
 
     def end_micro_batch(self) -> None:
         """After the micro-batch's reductions: every gather finished, every stage-3 unit freed."""

@@ -230,6 +230,11 @@ class Group:
 class SoloGroup(Group):
     """World size 1: every collective is a copy (or nothing)."""
 
+    # One rank has no peer to match the order of its collectives with, so a stage-3 step
+    # whose micro-batches leave the trace negotiates (with itself, at no cost) instead of
+    # raising UnrecoverableDivergence, which is about NCCL's single stream ([Note: channels]).
+    independent_channels = True
+
     def __init__(self) -> None:
         self.rank, self.world_size, self.counter = 0, 1, CommCounter()
 

@@ -1,0 +1,141 @@
+"""One fuzz case from one seed: a model, a run configuration and the global batches.
+
+``make_case(seed, without=...)`` draws everything from ``random.Random(seed)``, so a seed and
+the same ``without`` set give the same case on any machine (the rerun command a failure
+prints carries both). The model's initial weights come from ``torch.manual_seed(seed)``
+before ``FuzzNet(spec)``, in the engine and in the oracle alike.
+
+A case may also evaluate after training (``evaluate``): every worker calls the engine's
+``evaluate`` on its share of one more batch (``loss_fn`` in eval mode, no gradients) and
+``run(fuzz_logits, share)`` (the logits), compared with the oracle's model in eval mode.
+
+``without`` names features to leave out, the known gaps (GAPS) while other branches fix them:
+  buffers   bf16/fp16 cases get no float buffer (sinusoidal table, scale, BatchNorm)
+  unused    every expert of a Route block gets a row of every global batch (at stages 0-1 with
+            accumulation: of every micro-batch)
+  varshape  one sequence length for all steps of a case
+  eval      no case evaluates after training
+"""
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass, field
+from typing import FrozenSet, List, Optional
+
+from tests.conformance.configs import RunConfig, sample_config, with_rows_at_least
+from tests.conformance.data import make_batches
+from tests.conformance.grammar import FuzzNet, ModelSpec, fuzz_logits, fuzz_loss, sample_model
+
+# The known gaps being fixed on other branches: the feature name, what fails, and where.
+GAPS = {
+    "buffers": ("bf16/fp16 with a float buffer in the compute (dtype mismatch), or BatchNorm in bf16/fp16",
+                "branch mp"),
+    "unused": ("a parameter no rank used in a step still moves (zeroray gives it a zero gradient; PyTorch "
+               "and DDP leave .grad None and the optimizer skips it); and at stages 0-1 with accumulation the "
+               "gradient of a parameter a worker used in an earlier micro-batch but not in its last is lost",
+               "branch unused"),
+    "varshape": ("batches whose row shapes change between steps are refused ('the batch structure changed')",
+                 "branch evalrun"),
+    "eval": ("no evaluation/inference calls on the engine (Engine.evaluate, Engine.run)", "branch evalrun"),
+}
+EXCLUDABLE = ("buffers", "unused", "varshape", "eval")
+
+
+@dataclass
+class Case:
+    seed: int
+    model: ModelSpec
+    config: RunConfig
+    padded: bool
+    varshape: bool
+    unused: bool
+    evaluate: bool = False
+    without: FrozenSet[str] = field(default_factory=frozenset)
+    batches: List[dict] = field(default_factory=list, repr=False)
+    eval_batch: Optional[dict] = field(default=None, repr=False)
+
+    def model_fn(self):
+        return functools.partial(FuzzNet, self.model)
+
+    def loss_fn(self):
+        return functools.partial(fuzz_loss, self.model)
+
+    def logits_fn(self):
+        return functools.partial(fuzz_logits, self.model)
+
+    def gaps(self) -> FrozenSet[str]:
+        """The known gaps this case exercises (what its batches actually do)."""
+        out = set()
+        if self.config.dtype != "fp32" and self.model.float_buffers_in_compute:
+            out.add("buffers")
+        if len({b["idx"].shape[1] for b in self.batches}) > 1:
+            out.add("varshape")
+        if self.model.routed and (any(len(set(b["route"].tolist())) < self.model.experts for b in self.batches)
+                                  or self._unused_in_last_micro_batch()):
+            out.add("unused")
+        if self.evaluate:
+            out.add("eval")
+        return frozenset(out)
+
+    def _unused_in_last_micro_batch(self) -> bool:
+        """Stages 0-1 with accumulation: an expert in a worker's earlier micro-batch but not its last."""
+        world, accum = self.config.world, self.config.accum
+        if self.config.zero["stage"] not in (0, 1) or accum == 1:
+            return False
+        for batch in self.batches:
+            parts = batch["route"].chunk(world * accum)
+            for rank in range(world):
+                mine = [set(p.tolist()) for p in parts[rank * accum:(rank + 1) * accum]]
+                if set().union(*mine[:-1]) - mine[-1]:
+                    return True
+        return False
+
+    def describe(self) -> str:
+        data = [k for k, on in (("padded", self.padded), ("varshape", self.varshape), ("unused", self.unused),
+                                ("evaluate", self.evaluate)) if on]
+        return f"{self.config.describe()} | {self.model.describe()} | data: {','.join(data) or 'plain'}"
+
+    def rerun(self) -> str:
+        without = f" --without {','.join(sorted(self.without))}" if self.without else ""
+        return f"python benchmarks/fuzz.py --case {self.seed}{without}"
+
+
+def make_case(seed: int, without: FrozenSet[str] = frozenset(), max_world: int = 3) -> Case:
+    unknown = set(without) - set(EXCLUDABLE)
+    if unknown:
+        raise ValueError(f"without={sorted(unknown)} is unknown: choose from {EXCLUDABLE}")
+    rng = random.Random(seed)
+    config = sample_config(rng, max_world=max_world)
+    lowp = config.dtype != "fp32"
+    model = sample_model(rng, buffers=not (lowp and "buffers" in without))
+    padded = rng.random() < 0.5
+    # every draw is made whatever ``without`` says, so the batches stay the same
+    varshape = rng.random() < 0.3 and "varshape" not in without
+    unused = rng.random() < 0.5 and model.routed and "unused" not in without
+    evaluate = rng.random() < 0.3 and "eval" not in without
+    return _with_batches(rng, seed, model, config, padded=padded, varshape=varshape, unused=unused,
+                         evaluate=evaluate, without=frozenset(without))
+
+
+def build_case(seed: int, model: ModelSpec, config: RunConfig, *, padded: bool = False, varshape: bool = False,
+               unused: bool = False, evaluate: bool = False) -> Case:
+    """A case of a chosen model and configuration (tests that need particular features); its
+    batches are drawn from ``random.Random(seed)``. ``make_case`` draws everything."""
+    return _with_batches(random.Random(seed), seed, model, config, padded=padded, varshape=varshape, unused=unused,
+                         evaluate=evaluate)
+
+
+def _with_batches(rng: random.Random, seed: int, model: ModelSpec, config: RunConfig, *, padded: bool,
+                  varshape: bool, unused: bool, evaluate: bool, without: FrozenSet[str] = frozenset()) -> Case:
+    cover_parts = 1
+    if model.routed and not unused:
+        if config.zero["stage"] in (0, 1) and config.accum > 1:
+            # an expert used in a worker's earlier micro-batch but not in its last: see GAPS["unused"]
+            cover_parts = config.world * config.accum
+        config = with_rows_at_least(config, model.experts * cover_parts)  # room for a row per expert
+    batches = make_batches(rng, model, config.global_rows, config.steps + evaluate, padded=padded,
+                           varshape=varshape, unused=unused, cover_parts=cover_parts)
+    eval_batch = batches.pop() if evaluate else None
+    return Case(seed=seed, model=model, config=config, padded=padded, varshape=varshape, unused=unused,
+                evaluate=evaluate, without=without, batches=batches, eval_batch=eval_batch)

@@ -1,0 +1,106 @@
+"""The fuzzer's run configurations: workers, steps, rows, and a random ZeroConfig.
+
+Every knob of ``zeroray/config.py`` that changes how a step is computed, not what it computes
+(so the oracle is the same for all of them): stage, dtype, gradient accumulation, clipping,
+wrap policy, stage-3 prefetch and its window, reuse distance and live bound, bucket sizes
+(small ones force many buckets, a parameter split over several), the planned bucket flush
+timeout and "auto" buckets, activation checkpointing and offload, sharded construction,
+cast_buffers. The optimizer is always AdamW with the hyperparameters below (compare.py says
+why eps is 1e-3 and why bf16/fp16 cases train at a larger learning rate).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+ADAMW = dict(lr=1e-2, weight_decay=0.1, eps=1e-3)
+# bf16/fp16 cases are compared by their losses only (compare.py), so their steps should move
+# the loss far more than rounding does: 5x the learning rate (measured there).
+LOWP_LR = 5e-2
+# fp16's first loss scale: the default 2**16 overflows on the first steps of many of these tiny
+# models, and a skipped step has no counterpart in the fp32 oracle (compare.py: a skip fails).
+FP16_LOSS_SCALE = 2.0 ** 10
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    world: int
+    steps: int
+    rows: int                      # rows per micro-batch per worker
+    zero: Dict[str, Any] = field(default_factory=dict)  # ZeroConfig keyword arguments
+
+    @property
+    def accum(self) -> int:
+        return self.zero.get("grad_accum_steps", 1)
+
+    @property
+    def dtype(self) -> str:
+        return self.zero.get("dtype", "fp32")
+
+    @property
+    def adamw(self) -> Dict[str, float]:
+        """AdamW's hyperparameters for this case (engine, oracle and DDP alike)."""
+        return ADAMW if self.dtype == "fp32" else {**ADAMW, "lr": LOWP_LR}
+
+    @property
+    def global_rows(self) -> int:
+        return self.world * self.accum * self.rows
+
+    def zero_config(self):
+        import zeroray as zr
+
+        return zr.ZeroConfig(**self.zero)
+
+    def describe(self) -> str:
+        knobs = " ".join(f"{k}={v}" for k, v in self.zero.items() if k != "stage")
+        return f"W{self.world} stage{self.zero['stage']} steps={self.steps} rows={self.rows} {knobs}".rstrip()
+
+
+def sample_config(rng: random.Random, *, dtypes=("fp32", "bf16", "fp16"), max_world: int = 3) -> RunConfig:
+    stage = rng.randint(0, 3)
+    zero: Dict[str, Any] = {"stage": stage}
+    dtype = rng.choice(dtypes) if rng.random() < 0.4 else "fp32"
+    if dtype != "fp32":
+        zero["dtype"] = dtype
+        if rng.random() < 0.3:
+            zero["cast_buffers"] = True
+        if dtype == "fp16":
+            zero["initial_loss_scale"] = FP16_LOSS_SCALE
+    if rng.random() < 0.35:
+        zero["grad_accum_steps"] = 2
+    if rng.random() < 0.35:
+        zero["max_grad_norm"] = rng.choice((0.05, 1.0))
+    if rng.random() < 0.5:
+        zero["wrap"] = "module"
+    buckets = rng.random()
+    if buckets < 0.35:
+        zero["bucket_bytes"] = rng.choice((16, 40, 64, 256))
+    elif buckets < 0.45:
+        zero["bucket_bytes"] = "auto"
+    elif buckets < 0.55:
+        zero["bucket_timeout_ms"] = rng.choice((0.01, 1.0))
+    if stage == 3:
+        if rng.random() < 0.3:
+            zero["prefetch"] = False
+        if rng.random() < 0.3:
+            zero["prefetch_bytes"] = rng.choice((64, 256))
+        if rng.random() < 0.25:
+            zero["reuse_distance"] = 0
+        if rng.random() < 0.15:
+            zero["max_live_bytes"] = 200
+        if rng.random() < 0.15:
+            zero["sharded_init"] = False
+    if rng.random() < 0.15:
+        zero["activation_checkpointing"] = True
+        if rng.random() < 0.3:
+            zero["offload_activations"] = True
+    return RunConfig(world=rng.randint(1, max_world), steps=rng.randint(2, 4), rows=rng.randint(1, 3), zero=zero)
+
+
+def with_rows_at_least(config: RunConfig, rows: Optional[int]) -> RunConfig:
+    """The same config with enough rows per part that the global batch holds ``rows`` rows."""
+    if rows is None or config.global_rows >= rows:
+        return config
+    per = -(-rows // (config.world * config.accum))
+    return RunConfig(world=config.world, steps=config.steps, rows=per, zero=config.zero)
