@@ -27,6 +27,8 @@ from typing import Callable, Optional, Sequence, Set, Tuple, Union
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from zeroray.forwards import own_forward, restorer
+
 
 def checkpoint_targets(model: torch.nn.Module, spec: Union[bool, Tuple[type, ...]]) -> list:
     """``True``: every element of an nn.ModuleList/Sequential (the model's blocks); a tuple of
@@ -93,7 +95,7 @@ def apply_checkpointing(targets: Sequence, offload: bool, tracker: Optional[Acti
     originals = []
     for _, module in targets:
         original = module.forward
-        originals.append((module, module.__dict__.get("forward")))
+        originals.append(own_forward(module))
 
         @functools.wraps(original)
         def forward(*args, __orig=original, __module=module, **kwargs):
@@ -117,10 +119,4 @@ def apply_checkpointing(targets: Sequence, offload: bool, tracker: Optional[Acti
 
         module.forward = forward
 
-    def restore() -> None:
-        for module, own in originals:
-            if own is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = own
-    return restore
+    return restorer(originals)

@@ -56,6 +56,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 import torch
 from torch.nn.modules.batchnorm import _NormBase
 
+from zeroray.forwards import own_forward, restorer
+
 ROTARY_BUFFERS = frozenset({"inv_freq", "original_inv_freq"})
 
 
@@ -150,16 +152,10 @@ class MixedPrecision:
                 if id(module) in seen:  # one module object in two fp32 modules: wrapped once
                     continue
                 seen.add(id(module))
-                originals.append((module, module.__dict__.get("forward")))
+                originals.append(own_forward(module))
                 module.forward = _fp32_forward(module, module.forward, self.dtype, region)
 
-        def restore() -> None:
-            for module, own in originals:
-                if own is None:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.forward = own
-        return restore
+        return restorer(originals)
 
     def exported(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """A host copy of ``value`` (state_dict entry ``name``) in the dtype the model gave it."""
