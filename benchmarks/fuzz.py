@@ -81,7 +81,7 @@ def main(argv=None) -> int:
               + ", ".join(f"{d} {w:.2e} (seed {s})" for d, (w, s) in sorted(worst.items())))
     gaps = collections.Counter(g for o in outcomes for g in o.gaps)
     if gaps:
-        print("\ncases exercising known gaps (" + "; ".join(f"{g}: {n}, {GAPS[g][1]}" for g, n in sorted(gaps.items()))
+        print("\ncases exercising the issue-24 gaps (" + "; ".join(f"{g}: {n}, {GAPS[g][1]}" for g, n in sorted(gaps.items()))
               + ")")
     return 1 if failures else 0
 
@@ -99,7 +99,7 @@ def _kind_class(kind: str) -> str:
 
 
 def _gap_label(outcome) -> str:
-    return f"  [known gap: {','.join(sorted(outcome.gaps))}]" if outcome.gaps else ""
+    return f"  [issue-24 gap: {','.join(sorted(outcome.gaps))}]" if outcome.gaps else ""
 
 
 if __name__ == "__main__":
