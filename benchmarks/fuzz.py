@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             print("    " + o.verdict.detail.replace("\n", "\n    "))
     worst = {}
     for o in outcomes:
-        dtype = o.case.config.dtype
+        dtype = o.case.config.precision
         if o.verdict.ok and not o.gaps and o.verdict.worst >= worst.get(dtype, (0.0, None))[0]:
             worst[dtype] = (o.verdict.worst, o.case.seed)
     if worst:

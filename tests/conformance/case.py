@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional
 
-from tests.conformance.configs import RunConfig, sample_config, with_rows_at_least
+from tests.conformance.configs import RunConfig, sample_config, sample_extras, with_rows_at_least
 from tests.conformance.data import make_batches
 from tests.conformance.grammar import FuzzNet, ModelSpec, fuzz_logits, fuzz_loss, sample_model
 
@@ -114,8 +114,10 @@ def make_case(seed: int, without: FrozenSet[str] = frozenset(), max_world: int =
     varshape = rng.random() < 0.3 and "varshape" not in without
     unused = rng.random() < 0.5 and model.routed and "unused" not in without
     evaluate = rng.random() < 0.3 and "eval" not in without
-    return _with_batches(rng, seed, model, config, padded=padded, varshape=varshape, unused=unused,
+    case = _with_batches(rng, seed, model, config, padded=padded, varshape=varshape, unused=unused,
                          evaluate=evaluate, without=frozenset(without))
+    case.config = sample_extras(rng, case.config)
+    return case
 
 
 def build_case(seed: int, model: ModelSpec, config: RunConfig, *, padded: bool = False, varshape: bool = False,

@@ -266,6 +266,11 @@ class FuzzNet(nn.Module):
         return self.head(x) if self.spec.head != "loss_fn" else x
 
 
+def wrap_blocks(name: str, module: nn.Module) -> bool:
+    """A callable wrap policy: every block and every expert is a unit root."""
+    return name.startswith("blocks.") and name.count(".") in (1, 3)
+
+
 def fuzz_logits(spec: ModelSpec, model: nn.Module, batch: dict) -> torch.Tensor:
     """The logits of the given rows (with head="loss_fn", the output layer is applied here)."""
     out = model(batch["idx"], batch["route"])

@@ -22,6 +22,7 @@ import cloudpickle
 import torch
 
 from tests.conformance.case import Case
+from tests.conformance.configs import warmup
 from tests.dist.harness import consolidate, spawn_ranks
 
 GROUP_TIMEOUT_S = 30.0    # a collective the ranks disagree on fails after this long
@@ -77,8 +78,10 @@ def _run_case(rank: int, case: Case, index: int, out_dir: str) -> dict:
     group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=GROUP_TIMEOUT_S)
     engine = None
     try:
-        engine = Engine(case.model_fn(), case.loss_fn(), zr.AdamW(**case.config.adamw), case.config.zero_config(),
-                        group, seed=case.seed)
+        config = case.config
+        engine = Engine(case.model_fn(), case.loss_fn(), zr.AdamW(**config.adamw), config.zero_config(), group,
+                        seed=case.seed, param_groups=config.group_overrides if config.groups else None,
+                        scheduler=warmup if config.scheduler else None)
         losses, norms, skipped = [], [], []
         for batch in case.batches:
             stats = engine.train_step(split_batch(batch, world)[rank])

@@ -87,6 +87,9 @@ def test_the_cases_exercise_what_they_are_for():
         seen |= set(c.model.features()) | {f"stage{z['stage']}-W{c.config.world}", c.config.dtype}
         seen |= {f"{k}" for k in z if k not in ("stage", "dtype", "initial_loss_scale")}
         seen |= {"padded"} if c.padded else set()
+        seen |= {f"{k}-{type(v).__name__}" for k, v in z.items() if k in ("wrap", "activation_checkpointing")}
+        seen |= {"param_groups"} if c.config.groups else set()
+        seen |= {"warmup"} if c.config.scheduler else set()
         if c.model.routed:
             seen.add(f"route-stage{z['stage']}")
             if c.config.world > 1:
@@ -98,6 +101,7 @@ def test_the_cases_exercise_what_they_are_for():
               "grad_accum_steps", "max_grad_norm", "wrap", "bucket_bytes", "bucket_timeout_ms", "prefetch",
               "prefetch_bytes", "reuse_distance", "max_live_bytes", "sharded_init", "activation_checkpointing",
               "offload_activations", "cast_buffers", "route-stage3-W>1", "route-accum-stage3", "route-stage0",
-              "route-stage1", "route-accum-stage0"}
+              "route-stage1", "route-accum-stage0", "reduce_dtype", "wrap-str", "wrap-tuple", "wrap-function",
+              "activation_checkpointing-bool", "activation_checkpointing-tuple", "param_groups", "warmup"}
     wanted |= {f"stage{s}-W{w}" for s in range(4) for w in (1, 2, 3)}
     assert not wanted - seen, sorted(wanted - seen)
