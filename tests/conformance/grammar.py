@@ -97,6 +97,7 @@ def sample_model(rng: random.Random, *, buffers: bool = True, routed: bool = Tru
     scale, BatchNorm), ``routed=False`` the route block."""
     kinds = [k for k in BLOCK_KINDS
              if (buffers or k not in ("bn", "scale")) and (routed or k != "route")]
+    kinds += ["route"] if routed else []  # twice as likely: data-dependent control flow finds the most
     blocks = []
     for _ in range(rng.randint(1, 4)):
         kind = rng.choice(kinds)

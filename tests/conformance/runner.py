@@ -82,13 +82,15 @@ def _run_case(rank: int, case: Case, index: int, out_dir: str) -> dict:
         engine = Engine(case.model_fn(), case.loss_fn(), zr.AdamW(**config.adamw), config.zero_config(), group,
                         seed=case.seed, param_groups=config.group_overrides if config.groups else None,
                         scheduler=warmup if config.scheduler else None)
-        losses, norms, skipped = [], [], []
+        losses, norms, skipped, fetch = [], [], [], {"rounds": 0, "plan_exits": 0}
         for batch in case.batches:
             stats = engine.train_step(split_batch(batch, world)[rank])
             losses.append(stats.loss)
             norms.append(stats.grad_norm)
             skipped.append(stats.skipped)
-        out = {"losses": losses, "norms": norms, "skipped": skipped,
+            for key in fetch:  # stage 3: how the case exercised negotiation (reported, not judged)
+                fetch[key] += engine.fetch_stats().get(key, 0)
+        out = {"losses": losses, "norms": norms, "skipped": skipped, "fetch": fetch,
                "pieces": {name: engine.master_piece(name) for name in engine.layout.param_names},
                "untrained": engine.untrained_state() if rank == 0 else {},
                "aliases": engine.layout.aliases()}
