@@ -73,12 +73,15 @@ def main(argv=None) -> int:
             print("    " + o.verdict.detail.replace("\n", "\n    "))
     worst = {}
     for o in outcomes:
-        dtype = o.case.config.dtype
+        dtype = o.case.config.precision
         if o.verdict.ok and not o.gaps and o.verdict.worst >= worst.get(dtype, (0.0, None))[0]:
             worst[dtype] = (o.verdict.worst, o.case.seed)
     if worst:
         print("\nlargest loss deviation from the oracle among passing cases without known gaps: "
               + ", ".join(f"{d} {w:.2e} (seed {s})" for d, (w, s) in sorted(worst.items())))
+    fetch = [o.fetch for o in outcomes if o.fetch]
+    print(f"\nstage-3 cases on 2-3 workers: {sum(1 for f in fetch)}, of which negotiated fetches: "
+          f"{sum(1 for f in fetch if f['rounds'])}, left a followed trace mid-step: {sum(1 for f in fetch if f['plan_exits'])}")
     gaps = collections.Counter(g for o in outcomes for g in o.gaps)
     if gaps:
         print("\ncases exercising the issue-24 gaps (" + "; ".join(f"{g}: {n}, {GAPS[g][1]}" for g, n in sorted(gaps.items()))

@@ -5,6 +5,8 @@ the same ``without`` set give the same case on any machine (the rerun command a 
 prints carries both). The model's initial weights come from ``torch.manual_seed(seed)``
 before ``FuzzNet(spec)``, in the engine and in the oracle alike.
 
+A routed case may start with steps in which every worker routes alike (``agree_first``), so
+that at stage 3 the workers agree on a trace, follow it, and leave it when they diverge.
 A case may also evaluate after training (``evaluate``): every worker calls the engine's
 ``evaluate`` on its share of one more batch (``loss_fn`` in eval mode, no gradients) and
 ``run(fuzz_logits, share)`` (the logits), compared with the oracle's model in eval mode.
@@ -23,7 +25,9 @@ import random
 from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional
 
-from tests.conformance.configs import RunConfig, sample_config, with_rows_at_least
+import torch
+
+from tests.conformance.configs import RunConfig, sample_config, sample_extras, with_rows_at_least
 from tests.conformance.data import make_batches
 from tests.conformance.grammar import FuzzNet, ModelSpec, fuzz_logits, fuzz_loss, sample_model
 
@@ -52,6 +56,7 @@ class Case:
     varshape: bool
     unused: bool
     evaluate: bool = False
+    agree_first: int = 0   # steps in which every worker routes its rows alike (see _agree)
     without: FrozenSet[str] = field(default_factory=frozenset)
     batches: List[dict] = field(default_factory=list, repr=False)
     eval_batch: Optional[dict] = field(default=None, repr=False)
@@ -94,7 +99,8 @@ class Case:
 
     def describe(self) -> str:
         data = [k for k, on in (("padded", self.padded), ("varshape", self.varshape), ("unused", self.unused),
-                                ("evaluate", self.evaluate)) if on]
+                                ("evaluate", self.evaluate), (f"agree_first={self.agree_first}", self.agree_first))
+                if on]
         return f"{self.config.describe()} | {self.model.describe()} | data: {','.join(data) or 'plain'}"
 
     def rerun(self) -> str:
@@ -115,8 +121,22 @@ def make_case(seed: int, without: FrozenSet[str] = frozenset(), max_world: int =
     varshape = rng.random() < 0.3 and "varshape" not in without
     unused = rng.random() < 0.5 and model.routed and "unused" not in without
     evaluate = rng.random() < 0.3 and "eval" not in without
-    return _with_batches(rng, seed, model, config, padded=padded, varshape=varshape, unused=unused,
-                         evaluate=evaluate, without=frozenset(without))
+    agree = rng.randint(1, 2) if rng.random() < 0.5 and model.routed else 0
+    case = _with_batches(rng, seed, model, config, padded=padded, varshape=varshape, unused=unused,
+                         evaluate=evaluate, agree_first=agree, without=frozenset(without))
+    case.config = sample_extras(rng, case.config)
+    return case
+
+
+def _agree(case: Case, steps: int) -> None:
+    """In the first ``steps`` steps every micro-batch of every worker routes its rows to experts
+    0, 1, ... in turn, so all workers run the same modules in the same order (at stage 3 they
+    agree on a trace and follow it, and leave it in the middle of the step that diverges)."""
+    case.agree_first = min(steps, len(case.batches))
+    rows = case.config.rows
+    for batch in case.batches[:case.agree_first]:
+        parts = batch["route"].numel() // rows
+        batch["route"] = (torch.arange(rows) % case.model.experts).repeat(parts)
 
 
 def build_case(seed: int, model: ModelSpec, config: RunConfig, *, padded: bool = False, varshape: bool = False,
@@ -128,15 +148,19 @@ def build_case(seed: int, model: ModelSpec, config: RunConfig, *, padded: bool =
 
 
 def _with_batches(rng: random.Random, seed: int, model: ModelSpec, config: RunConfig, *, padded: bool,
-                  varshape: bool, unused: bool, evaluate: bool, without: FrozenSet[str] = frozenset()) -> Case:
+                  varshape: bool, unused: bool, evaluate: bool, agree_first: int = 0,
+                  without: FrozenSet[str] = frozenset()) -> Case:
     cover_parts = 1
     if model.routed and not unused:
-        if config.zero["stage"] in (0, 1) and config.accum > 1:
+        if config.zero["stage"] in (0, 1) and config.accum > 1 or agree_first:
             # an expert used in a worker's earlier micro-batch but not in its last: see GAPS["unused"]
             cover_parts = config.world * config.accum
         config = with_rows_at_least(config, model.experts * cover_parts)  # room for a row per expert
     batches = make_batches(rng, model, config.global_rows, config.steps + evaluate, padded=padded,
                            varshape=varshape, unused=unused, cover_parts=cover_parts)
     eval_batch = batches.pop() if evaluate else None
-    return Case(seed=seed, model=model, config=config, padded=padded, varshape=varshape, unused=unused,
+    case = Case(seed=seed, model=model, config=config, padded=padded, varshape=varshape, unused=unused,
                 evaluate=evaluate, without=without, batches=batches, eval_batch=eval_batch)
+    if agree_first:
+        _agree(case, agree_first)
+    return case

@@ -21,7 +21,8 @@ fp32 (the project's parity bound, as tests/dist/test_engine_parity.py):
   ~lr·1e-5 per step. Real gradients here are ~1e-3..1e-1, so Adam still normalises them,
   and a larger eps makes the update more sensitive to a wrongly scaled gradient, not less
   (at a tiny eps Adam's update is blind to the gradient's scale).
-bf16 and fp16 (against the fp32 oracle; the master weights are fp32, compute is not):
+bf16 and fp16 compute, or reductions (reduce_dtype; configs.RunConfig.precision), against
+the fp32 oracle (the master weights are fp32, compute or reductions are not):
   - each step's global loss within 2% (bf16) or 0.5% (fp16) relative of the fp32 oracle's,
     and finite; the same for the evaluate call's loss;
   - no step skipped (fp16 starts at loss scale 2**10, configs.py, which these models' gradients
@@ -73,7 +74,7 @@ def judge(case: Case, ref: Optional[Reference], got: RankResults, oracle_error: 
         return Verdict(False, _error_kind(got.error.split("\nrank ")[0]), got.error)  # the first rank's: the cause
     losses = got.losses
     worst = max((abs(a - b) / abs(b) for a, b in zip(losses, ref.losses)), default=0.0)
-    if case.config.dtype == "fp32":
+    if case.config.precision == "fp32":
         verdict = _fp32(case, ref, got, losses)
     else:
         verdict = _lowp(case, ref, got, losses)
@@ -135,7 +136,7 @@ def _eval(ref: Reference, got: RankResults, rel: float, outputs: bool) -> Verdic
 
 
 def _lowp(case: Case, ref: Reference, got: RankResults, losses) -> Verdict:
-    bound = LOWP_LOSS_REL[case.config.dtype]
+    bound = LOWP_LOSS_REL[case.config.precision]
     skipped = got.per_rank[0]["skipped"]
     if any(skipped):
         return Verdict(False, "fp16 step skipped", f"skipped: {skipped}")

@@ -5,11 +5,15 @@ Every knob of ``zeroray/config.py`` that changes how a step is computed, not wha
 wrap policy, stage-3 prefetch and its window, reuse distance and live bound, bucket sizes
 (small ones force many buckets, a parameter split over several), the planned bucket flush
 timeout and "auto" buckets, activation checkpointing and offload, sharded construction,
-cast_buffers. The optimizer is always AdamW with the hyperparameters below (compare.py says
-why eps is 1e-3 and why bf16/fp16 cases train at a larger learning rate).
+cast_buffers, reduce_dtype; wrap and activation checkpointing given as classes or a callable
+(``sample_extras``). Outside ZeroConfig: parameter groups (no weight decay on biases and
+normalisation, half the learning rate on the embedding) and a warm-up LR scheduler. The
+optimizer is always AdamW with the hyperparameters below (compare.py says why eps is 1e-3
+and why cases with bf16/fp16 compute or reductions train at a larger learning rate).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
@@ -23,12 +27,34 @@ LOWP_LR = 5e-2
 FP16_LOSS_SCALE = 2.0 ** 10
 
 
+def param_groups(name: str, param) -> dict:
+    """The cases' parameter groups (Engine's ``param_groups`` callback; the oracle builds the
+    same torch groups from it)."""
+    if name.endswith("bias") or ".ln." in name or ".bn." in name:
+        return {"weight_decay": 0.0}
+    if name == "emb.weight":
+        return {"lr": ADAMW["lr"] / 2}  # relative to the case's own rate: see RunConfig.groups
+    return {}
+
+
+def _warmup_factor(step: int) -> float:
+    return min(1.0, (step + 1) / 3)
+
+
+def warmup(optimizer):
+    import torch
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_factor)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     world: int
     steps: int
     rows: int                      # rows per micro-batch per worker
     zero: Dict[str, Any] = field(default_factory=dict)  # ZeroConfig keyword arguments
+    groups: bool = False           # parameter groups (param_groups)
+    scheduler: bool = False        # the warm-up scheduler (warmup)
 
     @property
     def accum(self) -> int:
@@ -39,9 +65,22 @@ class RunConfig:
         return self.zero.get("dtype", "fp32")
 
     @property
+    def precision(self) -> str:
+        """The lowest precision the step computes or reduces in: what compare.py judges by."""
+        reduce = self.zero.get("reduce_dtype") or "fp32"
+        return self.dtype if self.dtype != "fp32" else reduce
+
+    @property
     def adamw(self) -> Dict[str, float]:
         """AdamW's hyperparameters for this case (engine, oracle and DDP alike)."""
-        return ADAMW if self.dtype == "fp32" else {**ADAMW, "lr": LOWP_LR}
+        return ADAMW if self.precision == "fp32" else {**ADAMW, "lr": LOWP_LR}
+
+    def group_overrides(self, name: str, param) -> dict:
+        """``param_groups(name, param)`` at this case's learning rate."""
+        out = param_groups(name, param)
+        if "lr" in out:
+            out["lr"] = out["lr"] / ADAMW["lr"] * self.adamw["lr"]
+        return out
 
     @property
     def global_rows(self) -> int:
@@ -53,8 +92,15 @@ class RunConfig:
         return zr.ZeroConfig(**self.zero)
 
     def describe(self) -> str:
-        knobs = " ".join(f"{k}={v}" for k, v in self.zero.items() if k != "stage")
-        return f"W{self.world} stage{self.zero['stage']} steps={self.steps} rows={self.rows} {knobs}".rstrip()
+        knobs = " ".join(f"{k}={_show(v)}" for k, v in self.zero.items() if k != "stage")
+        extra = (" param_groups" if self.groups else "") + (" warmup" if self.scheduler else "")
+        return f"W{self.world} stage{self.zero['stage']} steps={self.steps} rows={self.rows} {knobs}".rstrip() + extra
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "(" + ",".join(getattr(v, "__name__", str(v)) for v in value) + ")"
+    return getattr(value, "__name__", None) or str(value)
 
 
 def sample_config(rng: random.Random, *, dtypes=("fp32", "bf16", "fp16"), max_world: int = 3) -> RunConfig:
@@ -103,4 +149,24 @@ def with_rows_at_least(config: RunConfig, rows: Optional[int]) -> RunConfig:
     if rows is None or config.global_rows >= rows:
         return config
     per = -(-rows // (config.world * config.accum))
-    return RunConfig(world=config.world, steps=config.steps, rows=per, zero=config.zero)
+    return dataclasses.replace(config, rows=per)
+
+
+def sample_extras(rng: random.Random, config: RunConfig) -> RunConfig:
+    """More knobs, drawn after everything else of a case (so adding them changed no batch):
+    reduce_dtype, wrap and activation checkpointing as classes or a callable, parameter groups,
+    the warm-up scheduler."""
+    from tests.conformance import grammar
+
+    zero = dict(config.zero)
+    if rng.random() < 0.2:
+        zero["reduce_dtype"] = rng.choice(("fp32", config.dtype)) if config.dtype != "fp32" else "bf16"
+    wrap = rng.random()
+    if wrap < 0.1:
+        zero["wrap"] = (grammar.Residual, grammar.Attention, grammar.Route)
+    elif wrap < 0.2:
+        zero["wrap"] = grammar.wrap_blocks
+    if zero.get("activation_checkpointing") and rng.random() < 0.4:
+        zero["activation_checkpointing"] = (grammar.Residual, grammar.Conv, grammar.Route)
+    return dataclasses.replace(config, zero=zero, groups=rng.random() < 0.2, scheduler=rng.random() < 0.2)
+

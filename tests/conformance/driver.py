@@ -20,6 +20,7 @@ class Outcome:
     case: Case
     verdict: Verdict
     gaps: FrozenSet[str]   # the known gaps the case exercises (case.gaps(), plus unused per the oracle)
+    fetch: Optional[Dict[str, int]] = None  # stage 3 on 2-3 workers: rank 0's negotiation rounds and plan exits
 
     def line(self) -> str:
         gaps = f" [known gap: {','.join(sorted(self.gaps))}]" if self.gaps else ""
@@ -54,5 +55,8 @@ def run_case_list(cases: List[Case], chunk: int = 40) -> List[Outcome]:
             ref = refs.get(i)
             if ref is not None and any(ref.unused):
                 gaps.add("unused")
-            out.append(Outcome(case, verdict, frozenset(gaps)))
+            fetch = None
+            if case.config.zero["stage"] == 3 and case.config.world > 1 and got.error is None:
+                fetch = got.per_rank[0]["fetch"]
+            out.append(Outcome(case, verdict, frozenset(gaps), fetch))
     return out

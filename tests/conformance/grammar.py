@@ -97,6 +97,7 @@ def sample_model(rng: random.Random, *, buffers: bool = True, routed: bool = Tru
     scale, BatchNorm), ``routed=False`` the route block."""
     kinds = [k for k in BLOCK_KINDS
              if (buffers or k not in ("bn", "scale")) and (routed or k != "route")]
+    kinds += ["route"] if routed else []  # twice as likely: data-dependent control flow finds the most
     blocks = []
     for _ in range(rng.randint(1, 4)):
         kind = rng.choice(kinds)
@@ -264,6 +265,11 @@ class FuzzNet(nn.Module):
         for block in self.blocks:
             x = block(x, route)
         return self.head(x) if self.spec.head != "loss_fn" else x
+
+
+def wrap_blocks(name: str, module: nn.Module) -> bool:
+    """A callable wrap policy: every block and every expert is a unit root."""
+    return name.startswith("blocks.") and name.count(".") in (1, 3)
 
 
 def fuzz_logits(spec: ModelSpec, model: nn.Module, batch: dict) -> torch.Tensor:

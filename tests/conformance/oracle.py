@@ -1,7 +1,8 @@
 """The oracle: the case trained by plain single-process PyTorch, in fp32, with DDP's semantics.
 
 Same initial weights (``torch.manual_seed(seed); FuzzNet(spec)``), same global batches,
-``torch.optim.AdamW`` with the same hyperparameters. The global batch is cut as zeroray cuts
+``torch.optim.AdamW`` with the same hyperparameters (and parameter groups and warm-up scheduler
+where the case has them). The global batch is cut as zeroray cuts
 it (workers, then micro-batches: part ``rank * accum + micro``) and the step's loss is the
 mean over the parts of ``loss_fn`` on each part: DDP's loss (each worker's mean over its own
 rows, averaged over workers), which is the global loss only for equal-size mean losses; with
@@ -26,6 +27,7 @@ from typing import Dict, List
 import torch
 
 from tests.conformance.case import Case
+from tests.conformance.configs import warmup
 from zeroray.batch import split_batch
 
 
@@ -48,7 +50,9 @@ def reference_run(case: Case) -> Reference:
     loss_fn = case.loss_fn()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    opt = torch.optim.AdamW(params, **config.adamw)
+    groups = [{"params": [p], **config.group_overrides(n, p)} for n, p in named] if config.groups else params
+    opt = torch.optim.AdamW(groups, **config.adamw)
+    scheduler = warmup(opt) if config.scheduler else None
     buffers = [_buffers(model) for _ in range(world)]
     out = Reference([], [], {}, [], [n for n, _ in model.named_parameters(remove_duplicate=False)])
     for batch in case.batches:
@@ -67,6 +71,8 @@ def reference_run(case: Case) -> Reference:
         max_norm = config.zero.get("max_grad_norm") or float("inf")
         out.norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         out.losses.append(total / (world * accum))
     out.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if case.evaluate:

@@ -22,6 +22,7 @@ import cloudpickle
 import torch
 
 from tests.conformance.case import Case
+from tests.conformance.configs import warmup
 from tests.dist.harness import consolidate, spawn_ranks
 
 GROUP_TIMEOUT_S = 30.0    # a collective the ranks disagree on fails after this long
@@ -77,15 +78,19 @@ def _run_case(rank: int, case: Case, index: int, out_dir: str) -> dict:
     group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=GROUP_TIMEOUT_S)
     engine = None
     try:
-        engine = Engine(case.model_fn(), case.loss_fn(), zr.AdamW(**case.config.adamw), case.config.zero_config(),
-                        group, seed=case.seed)
-        losses, norms, skipped = [], [], []
+        config = case.config
+        engine = Engine(case.model_fn(), case.loss_fn(), zr.AdamW(**config.adamw), config.zero_config(), group,
+                        seed=case.seed, param_groups=config.group_overrides if config.groups else None,
+                        scheduler=warmup if config.scheduler else None)
+        losses, norms, skipped, fetch = [], [], [], {"rounds": 0, "plan_exits": 0}
         for batch in case.batches:
             stats = engine.train_step(split_batch(batch, world)[rank])
             losses.append(stats.loss)
             norms.append(stats.grad_norm)
             skipped.append(stats.skipped)
-        out = {"losses": losses, "norms": norms, "skipped": skipped,
+            for key in fetch:  # stage 3: how the case exercised negotiation (reported, not judged)
+                fetch[key] += engine.fetch_stats().get(key, 0)
+        out = {"losses": losses, "norms": norms, "skipped": skipped, "fetch": fetch,
                "pieces": {name: engine.master_piece(name) for name in engine.layout.param_names},
                "untrained": engine.untrained_state() if rank == 0 else {},
                "aliases": engine.layout.aliases()}

@@ -19,21 +19,22 @@ from tests.conformance.driver import run_case_list
 
 ALL_GAPS = frozenset(EXCLUDABLE)
 # two greedy covers of the features listed in test_the_cases_exercise_what_they_are_for (and
-# pairs of them: route x stage, route x accumulation, stage x workers) among seeds 0-499
-FIXED_SEEDS = [15, 27, 32, 40, 48, 62, 68, 115, 131, 139, 143, 222, 271, 480,
-               7, 21, 28, 46, 100, 121, 144, 155, 163, 315, 360, 445, 483]
+# pairs of them: route x stage, route x accumulation, stage x workers, routing that agrees and
+# then diverges at stage 3) among seeds 0-999
+FIXED_SEEDS = [15, 27, 40, 46, 48, 62, 124, 212, 271, 661, 774, 782, 806, 953,
+               64, 68, 80, 139, 163, 177, 192, 198, 272, 378, 586, 591, 658, 711, 783]
 GAP_SEEDS = {
     # bf16 scale buffer; fp16 BatchNorm with scale and sinusoidal; bf16 BatchNorm at stage 3;
     # fp16 sinusoidal table at stage 3 with checkpointing and offload
     "buffers": [3028, 3065, 3090, 3017],
     # an expert no worker used in a step at stage 3 (2 and 3 workers) and stage 2; one used in a
-    # worker's first micro-batch but not its last at stage 1 (every expert used every step)
-    "unused": [3058, 3512, 3001, 4286],
+    # worker's first micro-batch but not its last at stage 0 (every expert used every step)
+    "unused": [3058, 3164, 3001, 3653],
     # sequence length changing per step at stage 3 on 3 workers, stage 0 with accumulation, bf16
     "varshape": [3022, 3005, 3015],
-    # evaluate/run after training: stage 3 routed on 3 workers, BatchNorm's running statistics,
+    # evaluate/run after training: stage 3 routed on 2 workers, BatchNorm's running statistics,
     # stage 2 on 3 workers
-    "eval": [3100, 3027, 3010],
+    "eval": [3083, 3027, 3010],
 }
 SKIPPED_GAPS: dict = {}  # gap -> reason, for a gap found and not yet fixed (none now)
 
@@ -86,6 +87,10 @@ def test_the_cases_exercise_what_they_are_for():
         seen |= set(c.model.features()) | {f"stage{z['stage']}-W{c.config.world}", c.config.dtype}
         seen |= {f"{k}" for k in z if k not in ("stage", "dtype", "initial_loss_scale")}
         seen |= {"padded"} if c.padded else set()
+        seen |= {f"{k}-{type(v).__name__}" for k, v in z.items() if k in ("wrap", "activation_checkpointing")}
+        seen |= {"param_groups"} if c.config.groups else set()
+        seen |= {"warmup"} if c.config.scheduler else set()
+        seen |= {"agree-stage3-W>1"} if c.agree_first and z["stage"] == 3 and c.config.world > 1 else set()
         if c.model.routed:
             seen.add(f"route-stage{z['stage']}")
             if c.config.world > 1:
@@ -97,6 +102,8 @@ def test_the_cases_exercise_what_they_are_for():
               "grad_accum_steps", "max_grad_norm", "wrap", "bucket_bytes", "bucket_timeout_ms", "prefetch",
               "prefetch_bytes", "reuse_distance", "max_live_bytes", "sharded_init", "activation_checkpointing",
               "offload_activations", "cast_buffers", "route-stage3-W>1", "route-accum-stage3", "route-stage0",
-              "route-stage1", "route-accum-stage0"}
+              "route-stage1", "route-accum-stage0", "reduce_dtype", "wrap-str", "wrap-tuple", "wrap-function",
+              "activation_checkpointing-bool", "activation_checkpointing-tuple", "param_groups", "warmup",
+              "agree-stage3-W>1"}
     wanted |= {f"stage{s}-W{w}" for s in range(4) for w in (1, 2, 3)}
     assert not wanted - seen, sorted(wanted - seen)
