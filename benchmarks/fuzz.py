@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         if o.verdict.ok and not o.gaps and o.verdict.worst >= worst.get(dtype, (0.0, None))[0]:
             worst[dtype] = (o.verdict.worst, o.case.seed)
     if worst:
-        print("\nlargest loss deviation from the oracle among passing cases without known gaps: "
+        print("\nlargest loss deviation from the oracle among passing cases outside those gaps: "
               + ", ".join(f"{d} {w:.2e} (seed {s})" for d, (w, s) in sorted(worst.items())))
     fetch = [o.fetch for o in outcomes if o.fetch]
     print(f"\nstage-3 cases on 2-3 workers: {sum(1 for f in fetch)}, of which negotiated fetches: "
