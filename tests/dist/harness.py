@@ -22,8 +22,7 @@ def _worker(rank, world, ports, specs_blob, out_dir):
             if rank < spec_world:
                 _run_one(rank, spec_world, port, spec, os.path.join(out_dir, f"spec{index}_rank{rank}.pt"))
     except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
+        record_failure(rank, out_dir)
         raise
 
 
@@ -72,6 +71,12 @@ def _run_one(rank, world, port, spec, out_file):
                out_file)
     engine.close()
     group.close()
+
+
+def record_failure(rank, out_dir):
+    """Inside a rank's ``except``: leave its traceback where ``spawn_ranks`` looks for it."""
+    with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+        f.write(traceback.format_exc())
 
 
 def spawn_ranks(target, world, args, out_dir, join_s):

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroray as zr
-from tests.dist.harness import spawn_ranks
+from tests.dist.harness import record_failure, spawn_ranks
 from tests.real_models import hf_gpt2, real_batches, real_loss
 from zeroray.batch import split_batch
 from zeroray.comm.group import free_port, make_torch_group
@@ -169,10 +169,7 @@ def _worker(rank, world, ports, out_dir):
                 out = _evaluate_case(rank, port, stage, with_eval)
             torch.save(out, os.path.join(out_dir, f"{name}{stage}_rank{rank}.pt"))
     except BaseException:
-        import traceback
-
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
+        record_failure(rank, out_dir)
         raise
 
 

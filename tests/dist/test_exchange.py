@@ -2,11 +2,10 @@
 import os
 import tempfile
 import time
-import traceback
 
 import torch
 
-from tests.dist.harness import spawn_ranks
+from tests.dist.harness import record_failure, spawn_ranks
 from zeroray.comm.group import TorchGroup, free_port, make_torch_group
 
 
@@ -71,8 +70,7 @@ def _rank(rank, world, port, out_dir):
         p2p.close()
         native.close()
     except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
+        record_failure(rank, out_dir)
         raise
 
 

@@ -10,11 +10,10 @@ import os
 import tempfile
 import threading
 import time
-import traceback
 
 import torch
 
-from tests.dist.harness import spawn_ranks
+from tests.dist.harness import record_failure, spawn_ranks
 from zeroray.comm.group import free_port, make_torch_group
 
 TIMEOUT_S = 2.0
@@ -47,8 +46,7 @@ def _rank(rank, ports, out_dir):
                 open(os.path.join(out_dir, "closed"), "w").close()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
+        record_failure(rank, out_dir)
         raise
 
 

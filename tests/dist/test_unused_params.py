@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import zeroray as zr
-from tests.dist.harness import run_engines, spawn_ranks
+from tests.dist.harness import record_failure, run_engines, spawn_ranks
 from tests.dist.test_engine_parity import assert_parity, global_losses
 from tests.experts import expert_batches, experts_model, unused_in
 from tests.models import lm_loss
@@ -204,10 +204,7 @@ def _ddp_rank(rank, world, port, batches, out_dir):
         torch.save({"none": none, "state": model.state_dict()}, os.path.join(out_dir, f"ddp{rank}.pt"))
         dist.destroy_process_group()
     except BaseException:
-        import traceback
-
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
+        record_failure(rank, out_dir)
         raise
 
 
