@@ -6,10 +6,10 @@
 One worker's engine (world size 1, in this process) trains a few steps per configuration.
 "measured" is ``engine.activation_peak_bytes``: the bytes of distinct storages autograd saved
 during the forward (parameters excluded) plus the inputs kept by checkpointed blocks, at the
-end of the forward ([Note: saved-tensor bytes] in zeroray/activations.py). It does not
+end of the forward ([Note: saved-tensor bytes] in zeroray/engine/activations.py). It does not
 include the one block that backward recomputes at a time; that working set is measured
 separately below (one block's saved bytes), and the estimate includes it.
-"estimate" is ``zeroray.memory.activation_bytes`` (Korthikanti et al.'s per-layer count,
+"estimate" is ``zeroray.memory.model.activation_bytes`` (Korthikanti et al.'s per-layer count,
 doubled for fp32), with the s x s attention term (``heads``) and without it (fused attention,
 which is what torch's CPU ``scaled_dot_product_attention`` runs). It counts the transformer
 layers only: embeddings and the output layer's logits are not in it. MB = 1e6 bytes.
@@ -30,9 +30,9 @@ import torch  # noqa: E402
 
 import zeroray as zr  # noqa: E402
 from examples import gpt  # noqa: E402
-from zeroray import memory  # noqa: E402
+from zeroray.memory import model as memory  # noqa: E402
 from zeroray.comm.group import SoloGroup  # noqa: E402
-from zeroray.engine import Engine  # noqa: E402
+from zeroray.engine.engine import Engine  # noqa: E402
 
 CONFIGS = [
     ("none", dict()),

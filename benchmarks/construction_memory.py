@@ -10,7 +10,7 @@ torch, zeroray (and transformers' model class) and one tiny sharded build (which
 torch's meta and dispatch machinery once; reported apart), i.e. what building the model cost at its
 worst moment:
 - whole: ``torch.manual_seed(seed); model_fn()`` in one process;
-- sharded: W processes at once, rank r calling ``zeroray.sharded_init.build_sharded(model_fn,
+- sharded: W processes at once, rank r calling ``zeroray.construct.sharded_init.build_sharded(model_fn,
   seed, W, r)`` (what a stage-3 worker does first): a meta pass for the structure, then the
   real construction in which each parameter's memory is freed once registered and brought
   back for every op that touches it ([Note: sharded construction]); the Hugging Face model
@@ -81,7 +81,7 @@ def _child(kind, model, shape, world, rank, port, queue):
 
     torch.set_num_threads(1)
     import zeroray as zr
-    from zeroray.sharded_init import build_sharded
+    from zeroray.construct.sharded_init import build_sharded
 
     model_fn = _model_fn(model, shape)
     # The first sharded build imports torch's meta and dispatch-mode machinery (tens of MB,
@@ -106,7 +106,7 @@ def _child(kind, model, shape, world, rank, port, queue):
         out["largest_param_bytes"] = max(s.numel for s in layout.slots.values()) * 4
     else:  # engine
         from zeroray.comm.group import make_torch_group
-        from zeroray.engine import Engine
+        from zeroray.engine.engine import Engine
 
         group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=600)
         base_now = _rss_now()
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     for key, value in (("d_model", args.d_model), ("layers", args.layers), ("heads", args.heads)):
         if value is not None:
             shape[key] = value
-    from zeroray.memory import count_params
+    from zeroray.memory.model import count_params
 
     n = count_params(_model_fn(args.model, shape))
     W = args.workers

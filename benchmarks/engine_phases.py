@@ -67,7 +67,7 @@ def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, ov
     from bench_models import lm_loss
     from common import model_fn
     from zeroray.comm.group import make_torch_group
-    from zeroray.engine import Engine
+    from zeroray.engine.engine import Engine
 
     group = make_torch_group("gloo", rank, world, "127.0.0.1", port)
     phases: dict = {}

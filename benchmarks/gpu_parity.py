@@ -23,7 +23,7 @@ import gpt  # examples/gpt.py, on sys.path through gpu_setup
 
 import zeroray as zr
 from zeroray.comm.group import SoloGroup
-from zeroray.engine import Engine
+from zeroray.engine.engine import Engine
 
 TOL = 1e-5
 ADAMW = dict(lr=1e-2, weight_decay=0.1)

@@ -34,7 +34,7 @@ import gpt  # examples/gpt.py, on sys.path through gpu_setup
 
 import zeroray as zr
 from zeroray.comm.group import SoloGroup
-from zeroray.engine import Engine
+from zeroray.engine.engine import Engine
 
 GiB = 2**30
 LEAK_TOLERANCE = 256 * 2**20  # bytes; the leak this guards against was 13.6 GiB per engine
@@ -46,7 +46,7 @@ def _allocated(setup: Setup) -> int:
     if setup.cuda:
         torch.cuda.empty_cache()
         return torch.cuda.memory_allocated()
-    from zeroray.memory_report import live_tensor_bytes
+    from zeroray.memory.report import live_tensor_bytes
 
     return live_tensor_bytes()
 
@@ -98,7 +98,7 @@ def plain_run(setup: Setup, batches) -> Dict[str, float]:
 
 
 def engine_run(setup: Setup, stage: int, via: str, batches) -> Dict[str, object]:
-    from zeroray.memory_report import measure
+    from zeroray.memory.report import measure
 
     before = _allocated(setup)
     _reset_peak(setup)

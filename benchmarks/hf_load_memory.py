@@ -72,7 +72,7 @@ def _load(kind, path, world, rank, queue):
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from zeroray.arena import FlatLayout
+    from zeroray.layout.arena import FlatLayout
     from zeroray.hf import pretrained
 
     out = {"kind": kind, "rank": rank}

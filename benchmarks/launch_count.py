@@ -34,7 +34,7 @@ import gpt  # noqa: E402
 
 import zeroray as zr  # noqa: E402
 from zeroray.comm.group import TorchGroup  # noqa: E402
-from zeroray.engine import Engine  # noqa: E402
+from zeroray.engine.engine import Engine  # noqa: E402
 
 SYNCING = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__,
            torch.Tensor.__bool__, torch.Tensor.cpu}

@@ -11,7 +11,7 @@ each worker's ``memory_report()['rss']`` breaks its peak RSS over the steps into
 baseline, the model states (measured, equal to the estimate), the stage-3 gathered window, the
 bucket and staging pools, the activations at the end of forward, and the rest ("other":
 temporaries, later imports, allocator slack); see [Note: RSS breakdown] in
-zeroray/memory_report.py. Construction's own peak and the slack at rest come beside it, and
+zeroray/memory/report.py. Construction's own peak and the slack at rest come beside it, and
 the communication the last step left exposed (comm_report's exposed_s, a wall time: it moves
 with the machine's load) and, at stage 3, how many of its unit gathers the prefetch window
 did not cover (fetched on demand): what the window buys. The
@@ -83,7 +83,7 @@ def make_spec(args) -> BenchSpec:
 
 def run_torch(row: str, spec: BenchSpec, num_params: int, timeout_s: float) -> dict:
     import peers
-    from zeroray import memory
+    from zeroray.memory import model as memory
 
     ranks = peers.launch(row, spec, nprocs=spec.num_workers, timeout_s=timeout_s)
     stage = 0 if row == "ddp" else 3
@@ -186,7 +186,7 @@ def table(records: dict) -> str:
 
 
 def targets(records: dict, spec: BenchSpec, num_params: int) -> list:
-    from zeroray import memory
+    from zeroray.memory import model as memory
 
     lines = []
     ok = {k: r for k, r in records.items() if "error" not in r}

@@ -5,9 +5,9 @@
 
 Every configuration trains one step in plain torch gloo processes (tests/dist/harness.py; one
 set of 4 processes serves every world size). Per worker it prints:
-- measured: bytes of the storages the engine holds (zeroray.memory_report.measure: parameter
+- measured: bytes of the storages the engine holds (zeroray.memory.report.measure: parameter
   buffers and shard, fp32 gradient, fp32 master and the optimizer's state tensors);
-- estimate: zeroray.memory's per-stage formulas on the engine's padded layout with zeroray's
+- estimate: zeroray.memory.model's per-stage formulas on the engine's padded layout with zeroray's
   documented deviations (memory_report.expected_model_state), computed from the configuration
   only;
 - paper: the paper's formula as printed (16-bit gradients in mixed precision, full gradients

@@ -3,7 +3,7 @@
 The same GPT (examples/gpt.py), config, seed and batches run three ways, at the same torch
 thread count, one after another in each round:
 
-- ``engine``: ``zeroray.engine.Engine`` in this process on a ``SoloGroup`` (world size 1), no
+- ``engine``: ``zeroray.engine.engine.Engine`` in this process on a ``SoloGroup`` (world size 1), no
   Ray: the floor. Timed around ``train_step`` (with a CUDA sync on a GPU).
 - ``step``: ``zr.Trainer`` with one worker actor, ``ScalingConfig(threads_per_worker=T)``;
   timed around ``trainer.step(batch)`` on the driver (the batch goes through the object store).
@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import gpt  # noqa: E402
 import zeroray as zr  # noqa: E402
 from zeroray.comm.group import SoloGroup  # noqa: E402
-from zeroray.engine import Engine  # noqa: E402
+from zeroray.engine.engine import Engine  # noqa: E402
 
 HOPS = (("dispatch", "submit", "actor_start"), ("queue", "actor_start", "engine_start"),
         ("engine", "engine_start", "engine_end"), ("return", "engine_end", "receive"))

@@ -2,7 +2,7 @@
 import sys,collections
 path, label = sys.argv[1], sys.argv[2]
 CATS=[('forward (loss_fn)','lm_loss'),('backward (run_backward, incl. grad hooks)','_engine_run_backward'),('grad hooks: Engine._grad_ready -> GradBuckets.add_grad','_grad_ready'),
-('ParameterAccess.__torch_function__ (cumulative, includes the op it runs)','access.py'),('  of which Python overhead (leaf in access.py other than the op line, on_access)','@@'),
+('ParameterAccess.__torch_function__ (cumulative, includes the op it runs)','fetch/access.py'),('  of which Python overhead (leaf in fetch/access.py other than the op line, on_access)','@@'),
 ('GradBuckets.finish (waiting for the reductions after backward)','GradBuckets.finish'),('GradBuckets._acquire waiting mid-backward','GradBuckets._acquire'),('status all-reduce (Engine._status)','Engine._status'),('optimizer (ShardedOptimizer.step)','ShardedOptimizer.step'),('publish (Engine._publish)','Engine._publish'),('fetch waits (Units.wait)','Units.wait')]
 c=collections.Counter(); step=0; cat=collections.Counter()
 for l in open(path):
@@ -12,7 +12,7 @@ for l in open(path):
     step+=n; fr=st.split(';'); leaf=fr[-1]
     for name,key in CATS:
         if key=='@@':
-            if ('access.py' in leaf and ':86)' not in leaf) or 'on_access' in leaf or '_is_metadata' in leaf: cat[name]+=n
+            if ('fetch/access.py' in leaf and ':86)' not in leaf) or 'on_access' in leaf or '_is_metadata' in leaf: cat[name]+=n
         elif key in st: cat[name]+=n
     c[leaf]+=n
 print(f'# {label}: train_step samples {step}')

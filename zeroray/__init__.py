@@ -14,7 +14,7 @@ def __getattr__(name):
 
         return getattr(trainer, name)
     if name == "estimate_memory":
-        from zeroray.memory import estimate_memory
+        from zeroray.memory.model import estimate_memory
 
         return estimate_memory
     raise AttributeError(f"module 'zeroray' has no attribute {name!r}")

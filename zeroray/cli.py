@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Callable, List, Optional, Sequence
 
-from zeroray import memory
+from zeroray.memory import model as memory
 
 GB = 1e9  # the paper's GB
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}

@@ -52,7 +52,7 @@ class ZeroConfig:
         None means an eighth of the measured backward.
     prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use. None
         (default): sized from the model, the bytes of its largest unit (the grain of gathers,
-        see zeroray/arena.py), so that every unit can be gathered ahead of its use, but never
+        see zeroray/layout/arena.py), so that every unit can be gathered ahead of its use, but never
         less than one coalescing bucket (bucket_bytes): a smaller window saves less memory than
         one bucket buffer holds and costs collectives. A unit whose next use lies inside the
         window stays gathered (see reuse_distance), so a model smaller than the window is
@@ -69,13 +69,13 @@ class ZeroConfig:
         (each block of an nn.ModuleList/nn.Sequential and each class the model lists in
         ``_no_split_modules``, plus the root for the rest), "module" (every module that owns
         parameters), a tuple of nn.Module classes, or a callable (qualified_name, module) -> bool.
-        See zeroray/wrap.py.
+        See zeroray/layout/wrap.py.
     cast_buffers: with dtype bf16/fp16, which floating buffers take the compute dtype. None
         (default): as ``model.to(dtype)`` would, except rotary ``inv_freq``/``original_inv_freq``
         (kept fp32); True: every one; False: none (each keeps its own dtype). Under all three,
         normalisation layers with running statistics (BatchNorm, InstanceNorm with
         track_running_stats) and the modules a Hugging Face model keeps in fp32 keep their
-        buffers in fp32 and compute in fp32. See [Note: mixed precision] in zeroray/precision.py.
+        buffers in fp32 and compute in fp32. See [Note: mixed precision] in zeroray/engine/precision.py.
     """
 
     stage: int = 3

@@ -35,14 +35,14 @@ from tests.conformance.grammar import FuzzNet, ModelSpec, fuzz_logits, fuzz_loss
 # failed, and what fixed it. ``without`` still leaves a feature out, to hunt for others.
 GAPS = {
     "buffers": ("bf16/fp16 with a float buffer in the compute (dtype mismatch), or BatchNorm in bf16/fp16",
-                "fixed: zeroray/precision.py"),
+                "fixed: zeroray/engine/precision.py"),
     "unused": ("a parameter no rank used in a step still moves (zeroray gives it a zero gradient; PyTorch "
                "and DDP leave .grad None and the optimizer skips it); and at stages 0-1 with accumulation the "
                "gradient of a parameter a worker used in an earlier micro-batch but not in its last is lost",
-               "fixed: zeroray/flat_pieces.py, Engine._reduce_accumulated"),
+               "fixed: zeroray/engine/flat_pieces.py, Engine._reduce_accumulated"),
     "varshape": ("batches whose row shapes change between steps are refused ('the batch structure changed')",
                  "fixed: checks removed"),
-    "eval": ("no evaluation/inference calls on the engine (Engine.evaluate, Engine.run)", "fixed: zeroray/inference.py"),
+    "eval": ("no evaluation/inference calls on the engine (Engine.evaluate, Engine.run)", "fixed: zeroray/engine/inference.py"),
 }
 EXCLUDABLE = ("buffers", "unused", "varshape", "eval")
 

@@ -2,7 +2,7 @@
 
 ``{"idx": [N, T] int64, "tgt": [N, T] int64, "mask": [N, T] bool, "route": [N] int64}``; the
 target of a token is a fixed function of it (learnable in a few steps).
-Rows are split over workers, then micro-batches (zeroray.batch.split_batch), so part
+Rows are split over workers, then micro-batches (zeroray.engine.batch.split_batch), so part
 ``p = rank * accum + micro`` holds rows ``[p * rows, (p + 1) * rows)``.
 
 - ``padded``: each row has a random number (>= 1) of valid tokens; the rest are padding.

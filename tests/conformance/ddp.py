@@ -28,7 +28,7 @@ def _worker(rank: int, world: int, blob: bytes, ports: List[int], out_dir: str) 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zeroray.batch import split_batch
+    from zeroray.engine.batch import split_batch
 
     torch.set_num_threads(1)
     for index, (case, port) in enumerate(zip(cloudpickle.loads(blob), ports)):

@@ -28,7 +28,7 @@ import torch
 
 from tests.conformance.case import Case
 from tests.conformance.configs import warmup
-from zeroray.batch import split_batch
+from zeroray.engine.batch import split_batch
 
 
 @dataclass

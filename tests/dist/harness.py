@@ -9,8 +9,8 @@ import torch
 import torch.multiprocessing as mp
 
 from zeroray.comm.group import free_port, make_torch_group
-from zeroray.engine import Engine, split_batch
-from zeroray.memory_report import live_tensor_bytes, measure
+from zeroray.engine.engine import Engine, split_batch
+from zeroray.memory.report import live_tensor_bytes, measure
 
 
 def _worker(rank, world, ports, specs_blob, out_dir):

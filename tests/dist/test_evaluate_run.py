@@ -21,9 +21,9 @@ import torch.nn.functional as F
 import zeroray as zr
 from tests.dist.harness import record_failure, spawn_ranks
 from tests.real_models import hf_gpt2, real_batches, real_loss
-from zeroray.batch import split_batch
+from zeroray.engine.batch import split_batch
 from zeroray.comm.group import free_port, make_torch_group
-from zeroray.engine import Engine
+from zeroray.engine.engine import Engine
 from zeroray.errors import PeerStepError
 
 WORLD = 2

@@ -3,7 +3,7 @@
 Each configuration trains two steps in plain torch gloo processes: one set of 4 processes
 serves every world size (a spec of world w runs on the first w ranks). Three figures are compared per rank:
 - ``measured``: bytes of the storages the engine holds (memory_report.measure);
-- ``estimate``: zeroray.memory's per-stage formulas on the padded layout, with zeroray's
+- ``estimate``: zeroray.memory.model's per-stage formulas on the padded layout, with zeroray's
   documented deviations (memory_report.expected_model_state); never read off the tensors;
 - ``live_tensor_bytes``: a gc census of every floating-point tensor storage the process
   gained since before the engine was built. It does not ask the engine anything, so it
@@ -24,8 +24,8 @@ import zeroray as zr
 from examples import gpt
 from tests.dist.harness import run_engines
 from zeroray.comm.group import SoloGroup
-from zeroray.engine import Engine
-from zeroray.memory_report import live_tensor_bytes
+from zeroray.engine.engine import Engine
+from zeroray.memory.report import live_tensor_bytes
 
 SMALL = gpt.GPTConfig(d_model=64, n_layers=2, n_heads=4, seq_len=32)   # ~0.12M parameters
 LARGE = gpt.GPTConfig(d_model=256, n_layers=4, n_heads=4, seq_len=32)  # ~3.2M parameters

@@ -1,6 +1,6 @@
 """Issue 24: mixed precision runs a model as ``model.to(dtype)`` would, with an fp32 master, and
 keeps in fp32 what PyTorch's and Hugging Face's recipes keep there ([Note: mixed precision] in
-zeroray/precision.py). Each model trains a few AdamW steps at stages 0-3 under bf16 and fp16 and
+zeroray/engine/precision.py). Each model trains a few AdamW steps at stages 0-3 under bf16 and fp16 and
 stays within 3% (relative loss, every step) of the same run in fp32; the buffers inside the
 engine have the rule's dtypes, and running statistics are updated as in fp32.
 
@@ -151,7 +151,7 @@ def feature_batches(seed: int, shape):
 
 # name -> (model_fn, loss_fn, batches, extra ZeroConfig fields). The checkpointed ones recompute
 # an fp32 module in backward (a BatchNorm inside a checkpointed block; checkpointed blocks inside
-# the kept head: [Note: fp32 regions] in zeroray/precision.py), at stage 3 only, where the
+# the kept head: [Note: fp32 regions] in zeroray/engine/precision.py), at stage 3 only, where the
 # recomputation also gathers.
 MODELS = {
     "scale": (ScaleNet, class_loss, token_batches(1), {}),

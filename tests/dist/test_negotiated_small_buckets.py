@@ -3,7 +3,7 @@ the issue-24 fuzzer: 3 of 300 cases hung, in the grammar of the time; pinned her
 models, tests/conformance's cases change with the grammar).
 
 Worker 0 routes to module ``b`` and worker 1 to ``a`` (tests.models.DivergentNet; a third
-worker to ``b``), so each step is negotiated (negotiate.py). With 40-byte buckets a worker's
+worker to ``b``), so each step is negotiated (fetch/negotiate.py). With 40-byte buckets a worker's
 backward waits for the reduction of an early bucket before it can fill the next one; the
 bucket holding ``b``'s gradient is complete only on worker 0, and worker 1 launched the
 buckets its backward left incomplete only after the rounds that end the micro-batch, rounds

@@ -1,5 +1,5 @@
 """Stages 1-2 see parameter reads only while a publish is in flight ([Note: reads during a
-publish] in fetch.py): the access class is on from the publish until every unit's gather was
+publish] in fetch/coordinator.py): the access class is on from the publish until every unit's gather was
 waited for, and a read made before forward (an L2 penalty first in loss_fn) still waits for
 the update it reads, on 2 workers, in parity with single-process PyTorch."""
 import torch
@@ -11,7 +11,7 @@ from tests.dist.test_real_models import ADAMW, ref_adamw
 from tests.models import reference_run
 from tests.real_models import FACTORIES, real_batches, real_loss
 from zeroray.comm.group import SoloGroup
-from zeroray.engine import Engine
+from zeroray.engine.engine import Engine
 
 
 def penalty_first_loss(model, batch):

@@ -114,7 +114,7 @@ def _touch_in_param_groups(name, p):
 
 def test_bf16_keeps_buffers_and_a_parameter_read_between_steps_is_an_error():
     """bf16 keeps Llama's rotary inv_freq buffers in fp32 ([Note: mixed precision] in
-    zeroray/precision.py), and training works: transformers computes the rotary angles in fp32
+    zeroray/engine/precision.py), and training works: transformers computes the rotary angles in fp32
     and casts them itself; and at stage
     3 a parameter read outside a step (here in a param_groups callback, at construction) raises
     ParameterAccessError naming it, instead of reading a freed buffer."""

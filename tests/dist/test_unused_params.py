@@ -1,7 +1,7 @@
 """Parameters that a step leaves unused (issue 24): no rank produced a gradient for them, so, as
 in single-process PyTorch and in torch DDP (``find_unused_parameters=True``), their ``.grad``
 is None and the optimizer skips them: no update, no weight decay, no step count, no state
-([Note: unused parameters] in zeroray/flat_pieces.py). A parameter that some rank used gets
+([Note: unused parameters] in zeroray/engine/flat_pieces.py). A parameter that some rank used gets
 the average over the ranks, the others counting zero.
 
 The model (tests/experts.py) routes each row to one of two experts by a data column and never
@@ -23,7 +23,7 @@ from tests.dist.test_engine_parity import assert_parity, global_losses
 from tests.experts import expert_batches, experts_model, unused_in
 from tests.models import lm_loss
 from zeroray.comm.group import free_port
-from zeroray.engine import split_batch
+from zeroray.engine.engine import split_batch
 
 STEPS = 6
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
@@ -140,7 +140,7 @@ def _restore(root):
 def _resize(old_layout, old_states):
     """A resize's transfer ([Note: resize transfer]): this rank's pieces of every old rank's state."""
     def resize(engine):
-        from zeroray.arena import FlatLayout
+        from zeroray.layout.arena import FlatLayout
         from zeroray.runtime.state_transfer import PieceAssembler, cut_pieces
 
         layout, rank = engine.state_layout()

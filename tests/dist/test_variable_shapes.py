@@ -18,7 +18,7 @@ from tests.dist.harness import run_engines
 from tests.dist.test_engine_parity import assert_parity
 from tests.padded_data import hf_loss, padded_batches
 from tests.real_models import hf_gpt2
-from zeroray.batch import split_batch
+from zeroray.engine.batch import split_batch
 
 WORLD = 2
 LONGEST = (6, 11, 4, 16, 9)  # the padded length of each step's batch

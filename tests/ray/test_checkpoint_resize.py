@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zeroray as zr
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint import CheckpointError, latest_checkpoint, reshard_in_memory
 from zeroray.runtime.controller import TrainerState
 from zeroray.runtime.failures import PlacementError

@@ -25,7 +25,7 @@ import zeroray as zr
 from tests.dist.test_variable_shapes import ADAMW, reference
 from tests.padded_data import hf_loss, padded_batches
 from tests.real_models import hf_gpt2
-from zeroray.batch import split_batch
+from zeroray.engine.batch import split_batch
 from zeroray.runtime import progress as progress_mod
 from zeroray.runtime.controller import TrainerState
 

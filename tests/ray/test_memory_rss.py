@@ -1,5 +1,5 @@
 """The worker's resident memory, broken down (issue 17): memory_report()['rss'] through the real
-Ray worker, whose engine runs on one compute thread (zeroray/process_memory.py)."""
+Ray worker, whose engine runs on one compute thread (zeroray/memory/process.py)."""
 import pytest
 
 import zeroray as zr

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import zeroray as zr
 from tests.models import VOCAB, ParityNet, lm_loss, make_batches, reference_run
-from zeroray.memory_report import live_tensor_bytes
+from zeroray.memory.report import live_tensor_bytes
 
 MARK = VOCAB - 3  # a worker whose whole share is this token raises
 OPT = dict(lr=1e-2, weight_decay=0.1)

@@ -8,7 +8,7 @@ import torch
 import zeroray as zr
 from examples import gpt
 from zeroray.comm.group import SoloGroup
-from zeroray.engine import Engine
+from zeroray.engine.engine import Engine
 
 CFG = gpt.GPTConfig(d_model=64, n_layers=3, n_heads=4, seq_len=32)
 BATCHES = list(gpt.CharBatches(4, CFG.seq_len, 2, seed=3))
@@ -61,7 +61,7 @@ def test_checkpointing_is_numerically_equal_and_keeps_fewer_bytes(stage):
 
 
 def test_checkpoint_targets():
-    from zeroray.activations import checkpoint_targets
+    from zeroray.engine.activations import checkpoint_targets
 
     model = gpt.GPT(CFG)
     by_type = [name for name, _ in checkpoint_targets(model, (gpt.Block,))]

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from tests.models import DIM, VOCAB, parity_model
 
 

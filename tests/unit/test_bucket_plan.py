@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.comm.bucket_plan import (AUTO_MAX_BYTES, AUTO_MIN_BYTES, FIRST_BUCKET_BYTES, MODEL_BUCKETS, Cut,
                                       Timeline, auto_capacity, fixed_capacity, pack, simulate)
 from zeroray.comm.bucket_tuner import BucketTuner
 from zeroray.comm.buckets import GradBuckets, default_unit_order
 from zeroray.comm.group import SoloGroup
-from zeroray.stage import ReduceMode
+from zeroray.layout.stage import ReduceMode
 
 MS = 1000  # microseconds
 

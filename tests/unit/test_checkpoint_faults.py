@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.unit.test_checkpoint_store import UNITS, save, shard_of, write_all
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint import (StoragePath, checkpoint_dir, commit, latest_checkpoint, list_checkpoints,
                                 load_resharded, write_extra)
 from zeroray.checkpoint.faults import FullDisk

@@ -7,7 +7,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint import (CheckpointError, commit, latest_checkpoint, list_checkpoints,
                                 load_extra, load_manifest, load_resharded, read_shard_slices,
                                 write_extra, write_shard)

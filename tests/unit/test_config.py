@@ -92,7 +92,7 @@ def test_defaults_and_good_values_pass():
     zr.ZeroConfig()
     zr.ZeroConfig(stage=0, dtype="bf16", reduce_dtype="fp32", max_grad_norm=1.0, activation_checkpointing=True)
     zr.ZeroConfig(bucket_bytes="auto", bucket_timeout_ms=2.5)
-    assert zr.ZeroConfig().cast_buffers is None  # the automatic rule of zeroray/precision.py
+    assert zr.ZeroConfig().cast_buffers is None  # the automatic rule of zeroray/engine/precision.py
     zr.ZeroConfig(dtype="bf16", cast_buffers=True)
     zr.ZeroConfig(dtype="fp16", cast_buffers=False)
     assert zr.ZeroConfig(bucket_bytes="auto").base_bucket_bytes == zr.ZeroConfig().bucket_bytes

@@ -8,7 +8,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint import (cli_consolidate, cli_inspect, commit, consolidate, iter_full_params,
                                 write_extra, write_shard)
 

@@ -16,8 +16,8 @@ import torch
 import zeroray as zr
 from examples import gpt
 from zeroray.comm.group import SoloGroup
-from zeroray.engine import Engine
-from zeroray.memory_report import live_tensor_bytes
+from zeroray.engine.engine import Engine
+from zeroray.memory.report import live_tensor_bytes
 
 CFG = gpt.GPTConfig(d_model=64, n_layers=2, n_heads=4, seq_len=16)
 

@@ -16,7 +16,7 @@ def test_engine_runs_device_agnostic_code_on_cpu():
     import zeroray as zr
     from tests.models import lm_loss, make_batches, parity_model
     from zeroray.comm.group import SoloGroup
-    from zeroray.engine import Engine
+    from zeroray.engine.engine import Engine
 
     engine = Engine(parity_model, lm_loss, zr.AdamW(lr=1e-2), zr.ZeroConfig(stage=3), SoloGroup(),
                     device=torch.device("cpu"))

@@ -22,7 +22,7 @@ import safetensors.torch  # noqa: E402
 
 from tests.real_models import gpt2_config, llama_config  # noqa: E402
 from zeroray import cli  # noqa: E402
-from zeroray.arena import FlatLayout  # noqa: E402
+from zeroray.layout.arena import FlatLayout  # noqa: E402
 from zeroray.checkpoint import CheckpointError, commit, write_extra, write_shard  # noqa: E402
 from zeroray.hf import (INDEX_NAME, SINGLE_NAME, export_checkpoint, export_pretrained,  # noqa: E402
                         pretrained)

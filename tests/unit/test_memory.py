@@ -1,11 +1,11 @@
-"""The paper's memory model (zeroray.memory): Figure 1 numbers, K, padding, the inverse,
+"""The paper's memory model (zeroray.memory.model): Figure 1 numbers, K, padding, the inverse,
 activation estimates, parameter counting and every argument check."""
 import pytest
 import torch
 
 import zeroray as zr
 from zeroray.config import SGD, AdamW
-from zeroray.memory import (ModelStateBytes, activation_bytes, count_params, estimate_memory,
+from zeroray.memory.model import (ModelStateBytes, activation_bytes, count_params, estimate_memory,
                             max_params_that_fit, model_state_bytes, optimizer_state_bytes_per_param)
 
 GB = 1e9

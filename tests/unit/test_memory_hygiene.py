@@ -1,6 +1,6 @@
 """Issue 17's cuts, in process: the stage 1-2 local shard in the arena's rows, segments cut at
 its pieces, the sharded build's arena adopted as the stage-3 master and freed without the cyclic
-collector, and the worker's compute thread and phase peaks (process_memory.py)."""
+collector, and the worker's compute thread and phase peaks (memory/process.py)."""
 import functools
 import gc
 import json
@@ -14,13 +14,13 @@ import torch
 
 import zeroray as zr
 from examples import gpt
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.comm.group import SoloGroup
-from zeroray.engine import Engine, _adopt_kept_arena
-from zeroray.local_shard import LocalShard
-from zeroray.optim import build_segments
-from zeroray.process_memory import ProcessMemory
-from zeroray.sharded_init import build_sharded
+from zeroray.engine.engine import Engine, _adopt_kept_arena
+from zeroray.layout.local_shard import LocalShard
+from zeroray.engine.optim import build_segments
+from zeroray.memory.process import ProcessMemory
+from zeroray.construct.sharded_init import build_sharded
 
 CFG = gpt.GPTConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16)
 
@@ -155,7 +155,7 @@ def test_process_memory_runs_engine_work_on_one_thread():
 # it), then blocks below that size kept and dropped in turn, as activations and temporaries are.
 _HOLES = """
 import json, sys, torch
-from zeroray.process_memory import ProcessMemory, current_rss_bytes
+from zeroray.memory.process import ProcessMemory, current_rss_bytes
 memory = ProcessMemory(mmap_threshold=None if sys.argv[1] == "dynamic" else 1 << 20)
 def step():
     del_me = torch.ones(2**23)  # 32 MiB

@@ -20,7 +20,7 @@ import torch
 
 import zeroray as zr
 from zeroray.comm.group import SoloGroup
-from zeroray.engine import Engine
+from zeroray.engine.engine import Engine
 from tests.models import divergent_model, lm_loss, make_batches, per_shard_loss, reference_run
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1)

@@ -5,13 +5,13 @@ The bug this guards against showed on a GPU only: restoring a checkpoint into an
 move anything to CUDA, so the parameters here live on the ``meta`` device: a device other
 than the CPU, on which optimizers can be built and state can be loaded (no step runs). A
 state tensor that stays on the CPU there would have stayed on the CPU next to a CUDA
-parameter too. See [Note: state placement] in zeroray/optim.py.
+parameter too. See [Note: state placement] in zeroray/engine/optim.py.
 """
 import pytest
 import torch
 
 import zeroray as zr
-from zeroray.optim import Segment, ShardedOptimizer
+from zeroray.engine.optim import Segment, ShardedOptimizer
 
 SEGMENTS = [Segment(0, 4, ()), Segment(4, 10, (("lr", 0.1),))]
 
@@ -100,7 +100,7 @@ def test_engine_restore_steps_on_cuda():
     """The failing path itself: export -> import into a new engine on CUDA -> train_step."""
     from tests.models import lm_loss, make_batches, parity_model
     from zeroray.comm.group import SoloGroup
-    from zeroray.engine import Engine
+    from zeroray.engine.engine import Engine
 
     batches = make_batches(3)
 
@@ -120,7 +120,7 @@ def test_engine_restore_steps_on_cuda():
 
 
 # Three parameters in two segments (the second with an lr override); "b" is never used, "c" and
-# "a" are left unused in some steps ([Note: unused parameters] in zeroray/flat_pieces.py).
+# "a" are left unused in some steps ([Note: unused parameters] in zeroray/engine/flat_pieces.py).
 SPANS = {"a": (0, 3), "b": (3, 6), "c": (6, 10)}
 GROUPED = [Segment(0, 6, ()), Segment(6, 10, (("lr", 0.05),))]
 UNUSED = [("b",), ("b", "c"), ("a", "b"), ("b",), ("b", "c"), ("b",)]

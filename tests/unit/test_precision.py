@@ -1,4 +1,4 @@
-"""The mixed-precision rule of zeroray/precision.py in one process: which modules compute in
+"""The mixed-precision rule of zeroray/engine/precision.py in one process: which modules compute in
 fp32 (transformers' own matching is the oracle for the Hugging Face part), which tensors are
 cast under each ``cast_buffers``, the fp32 forward against the same module in fp32, and the
 engine's exported and restored state in the model's own dtypes."""
@@ -8,8 +8,8 @@ import torch.nn as nn
 
 import zeroray as zr
 from zeroray.comm.group import SoloGroup
-from zeroray.engine import Engine
-from zeroray.precision import MixedPrecision, fp32_modules, hf_fp32_module_names
+from zeroray.engine.engine import Engine
+from zeroray.engine.precision import MixedPrecision, fp32_modules, hf_fp32_module_names
 
 
 class Rotary(nn.Module):

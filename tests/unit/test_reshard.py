@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint import (CheckpointError, commit, load_resharded, plan, reshard_in_memory,
                                 write_shard)
 from zeroray.checkpoint.reshard import apply_plan

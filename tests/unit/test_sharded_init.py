@@ -16,8 +16,8 @@ from torch.nn.modules import module as torch_module
 from examples import gpt
 from tests.models import ParityNet
 from tests.real_models import FACTORIES
-from zeroray.arena import FlatLayout
-from zeroray.sharded_init import build_sharded
+from zeroray.layout.arena import FlatLayout
+from zeroray.construct.sharded_init import build_sharded
 
 SEED = 7
 SMALL_GPT = gpt.GPTConfig(d_model=48, n_layers=2, n_heads=4, seq_len=16)

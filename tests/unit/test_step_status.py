@@ -1,9 +1,9 @@
-"""The step's status vector (zeroray/step_status.py): what every rank reads after the sum."""
+"""The step's status vector (zeroray/engine/step_status.py): what every rank reads after the sum."""
 import math
 
 import torch
 
-from zeroray import step_status
+from zeroray.engine import step_status
 
 
 def _sum(vectors):

@@ -1,6 +1,6 @@
-"""The stage-3 schedule is a pure function of the trace and the configuration (trace.py): what
+"""The stage-3 schedule is a pure function of the trace and the configuration (fetch/trace.py): what
 each position gathers, waits for, prefetches and frees, checked on small made-up traces."""
-from zeroray.trace import EventKind, Schedule, digest
+from zeroray.fetch.trace import EventKind, Schedule, digest
 
 F, E, A, S, B = (EventKind.FORWARD, EventKind.END, EventKind.ACCESS, EventKind.BACKWARD_START,
                  EventKind.BACKWARD)

@@ -17,7 +17,7 @@ from typing import Dict, Iterator, List, Tuple, Union
 
 import torch
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint.errors import CheckpointError
 from zeroray.checkpoint.filesystem import PathLike, resolve
 from zeroray.checkpoint.manifest import Manifest

@@ -4,7 +4,7 @@ A checkpoint is ``<root>/step_<step:08d>/`` holding one ``shard_<rank:05d>.safet
 rank, optionally ``extra.safetensors`` (full frozen parameters and buffers, saved once), and
 ``manifest.json``, written last: its presence is what marks the directory complete (see
 store.py). The manifest records everything needed to read the shards back at any world size:
-the flat layout (world-size independent, see [Note: flat layout] in arena.py), the world size
+the flat layout (world-size independent, see [Note: flat layout] in layout/arena.py), the world size
 it was saved at, which tensor keys are sharded, each file's size and sha256, and the small
 per-rank ``scalars`` (step counts, loss-scaler state, RNG states).
 """
@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint.errors import CheckpointError
 
 FORMAT = "zeroray.checkpoint"

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint.errors import CheckpointError
 from zeroray.checkpoint.filesystem import PathLike
 from zeroray.checkpoint.manifest import Manifest

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint.errors import CheckpointError
 from zeroray.checkpoint.filesystem import PathLike, Storage, is_temp_name, resolve, same_kind
 from zeroray.checkpoint.manifest import (EXTRA_NAME, MANIFEST_NAME, FileEntry, FileKind, Manifest, ShardInfo,

@@ -16,10 +16,10 @@ agrees on, a measured step:
 1. Each rank records, per unit, when the first and when the last of its gradients reached
    the buckets in the step's (last reduced) backward, in whole microseconds since the first
    gradient; a unit this rank did not complete counts as arriving when ``finish`` ran.
-2. The step's status all-reduce (engine.py) carries these numbers: every rank gets their sum
+2. The step's status all-reduce (engine/engine.py) carries these numbers: every rank gets their sum
    over ranks, integers summed exactly, so the mean timeline is the same, bit for bit, on
    every rank. Steps that failed, stage-3 steps that negotiated fetches (the ranks ran
-   different modules, [Note: negotiated fetch] in negotiate.py) and the first step
+   different modules, [Note: negotiated fetch] in fetch/negotiate.py) and the first step
    (allocators warming up; stage 3 negotiates it) teach nothing; the plan stays as it was.
 3. The tuner (bucket_tuner.py) smooths the timeline over steps and ``simulate`` replays the
    rule on it at unit granularity: walking the units in plan order, a bucket is cut before
@@ -70,7 +70,7 @@ number fits both; this way no gradient waits for company longer than an eighth o
 backward. The gathers' coalescing bound (gather.py) stays at the configured default:
 gathers are issued by the prefetch schedule, not by gradient arrival, so the timeline says
 nothing about them, and stage 3 builds its schedule once from the verified trace with that
-bound ([Note: fetch trace] in trace.py).
+bound ([Note: fetch trace] in fetch/trace.py).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ than ``bucket_bytes`` ([Note: first bucket] in bucket_plan.py), as many as fit i
 and backward never waits for a peer's progress through an earlier bucket. A fixed plan's first bucket is small (1 MiB,
 as DDP's), so that a reduction starts early in backward.
 
-In a negotiated stage-3 step (negotiate.py) over a backend without independent channels
+In a negotiated stage-3 step (fetch/negotiate.py) over a backend without independent channels
 (NCCL), ``hold=True`` keeps every launch for ``finish``, after the agreement rounds, so the
 reductions never interleave with the rounds' gathers in one stream of collectives.
 
@@ -44,10 +44,10 @@ from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.comm.bucket_plan import FIRST_BUCKET_BYTES, Cut, Piece, Timeline, fixed_capacity, pack
 from zeroray.comm.group import Channel, Group
-from zeroray.stage import ReduceMode
+from zeroray.layout.stage import ReduceMode
 
 
 @dataclass

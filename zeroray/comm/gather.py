@@ -9,7 +9,7 @@ columns) matrix in a staging buffer, is copied out into each unit's (W, shard_nu
 buffer. Staging buffers are bounded by ``bucket_bytes`` and reused.
 
 A rank may take part in a gather whose result it does not need (its peers do: a negotiated
-step's union, or the rest of a plan it left; see fetch.py): a target of ``None`` sends this
+step's union, or the rest of a plan it left; see fetch/coordinator.py): a target of ``None`` sends this
 rank's shard and discards what arrives, into one scratch buffer.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Callable, Deque, List, Optional, Sequence
 
 import torch
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.comm.group import Channel, Group, Handle
-from zeroray.local_shard import LocalShard
+from zeroray.layout.local_shard import LocalShard
 
 
 class GatherHandle:

@@ -17,7 +17,7 @@ Collectives are matched across ranks by issue order *per channel*: parameter gat
 negotiated stage-3 step (``ROUND``) each keep their own order. On gloo (the point-to-point
 exchange) a channel is a range of message tags, so a rank may interleave its gathers and
 its reductions differently from a peer, which a negotiated step needs (see [Note:
-negotiated fetch] in negotiate.py). NCCL has one stream of collectives per group
+negotiated fetch] in fetch/negotiate.py). NCCL has one stream of collectives per group
 (``independent_channels`` is False): there a negotiated step reduces after its gathers.
 Small all-reduces (grad norm, step status, trace check) use the backend's own collective.
 
@@ -168,7 +168,7 @@ class Group:
     blocks the host until the data arrived (gloo), so a waiter can poll for signals in
     between; on NCCL a wait only orders streams. ``signal``/``signalled`` pass a short string
     to every rank outside the collectives (the rendezvous store): how a rank that leaves the
-    step's plan tells the others (see [Note: plan exit] in fetch.py)."""
+    step's plan tells the others (see [Note: plan exit] in fetch/coordinator.py)."""
 
     rank: int
     world_size: int

@@ -1,7 +1,7 @@
 """Waiting for a collective while still hearing from the other ranks.
 
 A rank blocked in a wait cannot see that a peer left the step's plan and now waits for it
-in an agreement round (see [Note: plan exit] in fetch.py). So every blocking wait of the
+in an agreement round (see [Note: plan exit] in fetch/coordinator.py). So every blocking wait of the
 engine goes through one ``Waiter``: on backends whose waits block the host (gloo) it waits
 in slices of ``interval_s`` and calls ``poll`` between them; ``poll`` may take part in what
 a peer waits for (leave the plan, answer its agreement round) before waiting on. On NCCL a

@@ -39,9 +39,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.config import ScalingConfig, ZeroConfig
-from zeroray.engine import batch_size, split_batch
+from zeroray.engine.engine import batch_size, split_batch
 from zeroray.runtime.batch_transport import PackedBatch
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.data import evaluation_batches
@@ -216,7 +216,7 @@ class Controller:
         self.in_flight = max(0, self.in_flight - len(pending))
         _wait_quietly([ref for p in pending for ref in p.refs], timeout_s)
 
-    # --- evaluation and inference ([Note: inference calls] in inference.py) ---------------------
+    # --- evaluation and inference ([Note: inference calls] in engine/inference.py) ---------------------
 
     def evaluate(self, data: Any, metric_fn: Optional[Callable],
                  dataset_batch_size: Optional[int]) -> Dict[str, float]:

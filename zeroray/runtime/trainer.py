@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
 from zeroray.runtime.code_shipping import ship_by_value
@@ -166,7 +166,7 @@ class Trainer:
                        failure=self.failure, checkpoint=self.checkpoint_config, metrics_path=self.metrics_path,
                        evaluation=FitEvaluation.of(eval_data, eval_every, eval_metric_fn, batch_size))
 
-    # --- evaluation and inference ([Note: inference calls] in zeroray/inference.py) ----------
+    # --- evaluation and inference ([Note: inference calls] in zeroray/engine/inference.py) ----------
 
     def evaluate(self, data: Any, metric_fn: Optional[Callable] = None, batch_size: Optional[int] = None
                  ) -> Dict[str, float]:
@@ -251,7 +251,7 @@ class Trainer:
         return self._on_workers("comm_report")
 
     def memory_report(self) -> List[Dict[str, Any]]:
-        """Per worker: measured bytes by category next to the paper's estimate (see memory_report.py)."""
+        """Per worker: measured bytes by category next to the paper's estimate (see memory/report.py)."""
         return self._on_workers("memory_report")
 
     # --- checkpoints and resize ------------------------------------------------------------

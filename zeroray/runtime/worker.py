@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import ray
 import torch
 
-from zeroray.process_memory import ProcessMemory, current_rss_bytes
+from zeroray.memory.process import ProcessMemory, current_rss_bytes
 from zeroray.runtime.batch_transport import unpack
 from zeroray.runtime.sequencer import Sequencer, Ticket
 
@@ -89,7 +89,7 @@ class Worker:
     def setup(self, spec: Dict[str, Any], master_addr: str, master_port: int) -> Dict[str, Any]:
         """Join the collective group and build this rank's engine."""
         from zeroray.comm.group import make_torch_group
-        from zeroray.engine import Engine
+        from zeroray.engine.engine import Engine
 
         zero = spec["zero"]
         device = "cpu"
@@ -125,7 +125,7 @@ class Worker:
                 "loss_scale": stats.loss_scale, "time_s": stats.time_s,
                 "hops": {"actor_start": self._arrived.at, "engine_start": t_engine, "engine_end": t_engine_end}}
 
-    # --- evaluation and inference ([Note: inference calls] in inference.py) --------------------
+    # --- evaluation and inference ([Note: inference calls] in engine/inference.py) --------------------
 
     @engine_call
     def evaluate(self, batch: Any, metric_fn: Optional[Callable]) -> Dict[str, float]:
@@ -182,7 +182,7 @@ class Worker:
 
     @engine_call
     def memory_report(self) -> Dict[str, Any]:
-        from zeroray.memory_report import measure
+        from zeroray.memory.report import measure
 
         report = measure(self.engine, self.memory.report())
         report["rank"] = self.rank

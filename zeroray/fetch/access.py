@@ -8,18 +8,18 @@ ancestor's forward (``nn.MultiheadAttention`` reads ``out_proj.weight`` without 
 trainable parameters a class of its own: an ``nn.Parameter`` subclass, made per engine,
 whose ``__torch_function__`` hands every parameter an op touches to ``on_access`` before the
 op runs, then runs the op as a plain Parameter would (its results are plain tensors). The
-coordinator then gathers the parameter's unit if it is not gathered (fetch.py), or, outside a
+coordinator then gathers the parameter's unit if it is not gathered (fetch/coordinator.py), or, outside a
 step, raises ``ParameterAccessError`` naming the parameter, instead of letting the op read
 a freed buffer. Ops that only read metadata (shape, dtype, ``size()``, the ``.grad``
 attribute, hook registration) do not count as reads. Nothing is attached to the tensors:
 the side table maps ``id(param)`` to the parameter's name and unit.
 
 At stages 1-2, where parameters are resident, the class is installed only while a publish
-is writing into them ([Note: reads during a publish] in fetch.py); stage 3 keeps it on.
+is writing into them ([Note: reads during a publish] in fetch/coordinator.py); stage 3 keeps it on.
 
 Only code that goes through torch's Python API is seen; a C++ extension handed a parameter
 directly is not (it would find its storage empty and fail, never read stale memory).
-Autograd's own reads in backward go through the saved-tensor hooks instead (fetch.py).
+Autograd's own reads in backward go through the saved-tensor hooks instead (fetch/coordinator.py).
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class ParameterAccess:
 
     def suspend(self) -> None:
         """Plain nn.Parameters until the next ``install``: no read is seen, none costs anything
-        (stages 1-2 between publishes: [Note: reads during a publish] in fetch.py)."""
+        (stages 1-2 between publishes: [Note: reads during a publish] in fetch/coordinator.py)."""
         for p in self._params.values():
             if type(p) is self.cls:
                 p.__class__ = torch.nn.Parameter

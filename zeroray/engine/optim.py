@@ -8,11 +8,11 @@ covers, and the optimizer state is a few contiguous tensors (M_D). Padding eleme
 zero value and zero gradient and stay zero under these optimizers. An optimizer that mixes
 elements (per-tensor norms, as in LAMB) would not match the unsharded run; see README.
 When the master is not one tensor (stages 1-2 in fp32: the rank's rows of the parameter
-arena, [Note: local shard] in local_shard.py), segments are also cut where its pieces
+arena, [Note: local shard] in layout/local_shard.py), segments are also cut where its pieces
 meet, one unit's slice each, so every segment is a view and the update lands in place.
 A step that leaves some parameters without a gradient on every rank splits the segments
 holding them into flat pieces, so that the inner optimizer skips exactly those parameters
-([Note: unused parameters] in flat_pieces.py); checkpoints then carry the scalar state per
+([Note: unused parameters] in engine/flat_pieces.py); checkpoints then carry the scalar state per
 element ([Note: per-element state]).
 
 The same class serves stage 0, where the "shard" is the whole model.
@@ -25,8 +25,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from zeroray.flat_pieces import FlatPieces
-from zeroray.local_shard import LocalShard
+from zeroray.engine.flat_pieces import FlatPieces
+from zeroray.layout.local_shard import LocalShard
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class ShardedOptimizer:
     """An inner torch optimizer over this rank's flat fp32 master, by segments ([Note: flat
     optimizer]), with global-norm clipping and an optional LR scheduler. ``param_spans``: the
     local [start, end) of each parameter this rank holds, by name, so that a parameter no rank
-    used in a step can be skipped ([Note: unused parameters] in flat_pieces.py)."""
+    used in a step can be skipped ([Note: unused parameters] in engine/flat_pieces.py)."""
 
     def __init__(self, spec: Any, master: Union[torch.Tensor, LocalShard], grad: torch.Tensor,
                  segments: List[Segment], max_grad_norm: Optional[float],
@@ -162,7 +162,7 @@ class ShardedOptimizer:
     def step(self, norm: float, unused: Sequence[str] = ()) -> None:
         """Clip by the global norm (as torch.nn.utils.clip_grad_norm_ does) and update every
         parameter but ``unused``, those no rank produced a gradient for (the same list on every
-        rank; [Note: unused parameters] in flat_pieces.py)."""
+        rank; [Note: unused parameters] in engine/flat_pieces.py)."""
         if self.max_grad_norm is not None:
             coef = self.max_grad_norm / (norm + 1e-6)
             if coef < 1.0:
@@ -231,7 +231,7 @@ class ShardedOptimizer:
         being written into ``inner.state`` by hand. Restore and resize both come through here.
 
         [Note: per-element state]
-        Once a step has left a parameter unused ([Note: unused parameters] in flat_pieces.py),
+        Once a step has left a parameter unused ([Note: unused parameters] in engine/flat_pieces.py),
         the pieces' scalar state (Adam's ``step``) may differ, and a piece may have no state at
         all (a parameter never used: torch keeps none for it). Every rank then exports each
         scalar state per element, as a flat fp32 tensor like the others ("optim.step"), named

@@ -1,7 +1,7 @@
 """Replacing modules' forwards by instance attributes, and putting them back.
 
-Activation checkpointing (activations.py) and the fp32 regions of mixed precision
-(precision.py) both wrap ``module.forward`` as an instance attribute, so that module hooks
+Activation checkpointing (engine/activations.py) and the fp32 regions of mixed precision
+(engine/precision.py) both wrap ``module.forward`` as an instance attribute, so that module hooks
 (the stage-3 coordinator's among them) still run around the wrapper; ``Engine.close`` must
 leave each module as it found it, with or without a forward of its own in ``__dict__``.
 """

@@ -31,7 +31,7 @@ import torch
 from zeroray.comm.gather import UnitGatherer
 from zeroray.comm.group import Channel, Group
 from zeroray.errors import CollectiveError
-from zeroray.unit import Units, UnitState
+from zeroray.fetch.unit import Units, UnitState
 
 ROUND_SLOTS = 32        # unit indices one rank can ask for in one round
 _NEED, _DONE = 1, 2

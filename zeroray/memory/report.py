@@ -2,11 +2,11 @@
 the worker's resident memory broken down around them.
 
 Counts the bytes of the tensors the engine holds (not the allocator's view), so the figures
-are exact and comparable with zeroray.memory's formulas. See [Note: stage data flow] in
-engine.py for which tensors exist at which stage.
+are exact and comparable with zeroray.memory.model's formulas. See [Note: stage data flow] in
+engine/engine.py for which tensors exist at which stage.
 
 [Note: RSS breakdown]
-Given the process's phase figures (process_memory.py), ``measure`` also cuts the worker's
+Given the process's phase figures (memory/process.py), ``measure`` also cuts the worker's
 peak RSS over its steps into what is known to be in it::
 
     baseline          RSS before the model existed: Python, torch, Ray, the collective group
@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from zeroray import memory
+from zeroray.memory import model as memory
 
 
 def _storages(tensors) -> Dict[int, int]:
@@ -123,7 +123,7 @@ def _cuda_stats(device) -> Dict[str, Any]:
 
 
 def _optimizer_for_estimate(engine) -> Any:
-    """The optimizer as zeroray.memory understands it: our specs say their state size; for a
+    """The optimizer as zeroray.memory.model understands it: our specs say their state size; for a
     custom callable, the fp32 state values per element are read off what it allocated."""
     try:
         memory.optimizer_state_bytes_per_param(engine.optimizer_spec, engine.zero.dtype)
@@ -134,11 +134,11 @@ def _optimizer_for_estimate(engine) -> Any:
 
 
 def expected_model_state(engine) -> Dict[str, int]:
-    """zeroray.memory's formulas for this engine's configuration: the paper's per-stage model
-    (see [Note: model states] in memory.py) on the engine's padded layout, with zeroray's
-    documented deviations from the paper ([Note: stage data flow] in engine.py):
+    """zeroray.memory.model's formulas for this engine's configuration: the paper's per-stage model
+    (see [Note: model states] in memory/model.py) on the engine's padded layout, with zeroray's
+    documented deviations from the paper ([Note: stage data flow] in engine/engine.py):
 
-    - padding: every unit is padded to a multiple of the world size (arena.py), so the
+    - padding: every unit is padded to a multiple of the world size (layout/arena.py), so the
       replicated terms count ``layout.full_numel`` and the sharded ones ``full_numel / W``;
     - the reduced gradient is fp32 in every dtype (``grad_dtype="fp32"``): it is the fp32
       master's gradient, where the paper keeps a 16-bit gradient;
@@ -146,7 +146,7 @@ def expected_model_state(engine) -> Dict[str, int]:
       does, so it holds the gradient *shard*, not the paper's full gradient (with
       ``grad_accum_steps > 1`` autograd holds full local gradients between micro-batches).
     Stages 1-2 hold no parameter shard of their own: the all-gather source, and in fp32 the
-    master, is the rank's rows of the parameter arena ([Note: local shard] in local_shard.py),
+    master, is the rank's rows of the parameter arena ([Note: local shard] in layout/local_shard.py),
     so their parameter term is the paper's. (Until that change they kept a separate shard in
     the compute dtype, P·Φ/W more, which this estimate used to add.)
 

@@ -17,7 +17,7 @@ known while the model is half built. So construction runs twice:
    whole (they are replicated); parameters the final model no longer holds (the untied
    weight of a tied layer) keep nothing.
 A trainable or dropped parameter's memory is freed as soon as it is registered and brought
-back for every op that touches it ([Note: freed parameters], zeroray/freed_storage.py), so
+back for every op that touches it ([Note: freed parameters], zeroray/construct/freed_storage.py), so
 parents may initialise their children afterwards: ``self.apply(init)``, Hugging Face
 ``post_init``, ``nn.MultiheadAttention``'s ``constant_(self.out_proj.bias, 0.)``, a loop over
 ``named_parameters()``, ``child.weight.data = tensor``.
@@ -40,7 +40,7 @@ held the shard plus the largest module. Measured by ``benchmarks/construction_me
 355M-parameter GPT-2 (transformers), 4 workers: 565 MB per worker (shard 355 MB + largest
 parameter, the 206 MB token embedding) vs 1,627 MB built whole. Keeping this bound in
 resident memory needs freed heap pages handed back to the OS as we go (``_HeapTrim`` in
-zeroray/freed_storage.py); otherwise glibc's fragmented heap grows to the whole model.
+zeroray/construct/freed_storage.py); otherwise glibc's fragmented heap grows to the whole model.
 The first sharded build in a process also imports torch's meta and dispatch machinery.
 
 What cannot be built sharded falls back to a whole build with one warning: a model that
@@ -63,8 +63,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from zeroray.arena import FlatLayout
-from zeroray.freed_storage import CannotShard, StorageFreer
+from zeroray.layout.arena import FlatLayout
+from zeroray.construct.freed_storage import CannotShard, StorageFreer
 
 log = logging.getLogger("zeroray")
 

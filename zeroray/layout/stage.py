@@ -1,7 +1,7 @@
 """The ZeRO stage as a policy on units: what stays gathered, how gradients are reduced.
 
 [Note: stage policy]
-Every stage runs the same step over the same unit objects (unit.py); the stage only
+Every stage runs the same step over the same unit objects (fetch/unit.py); the stage only
 chooses these four answers, taken once when the engine is built:
 
 stage | full params between uses | local param shard | gradient reduction | reduced every micro-batch

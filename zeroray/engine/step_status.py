@@ -12,7 +12,7 @@ host synchronisation: the loss travels in it rather than through a ``float(loss)
 own, which on a GPU would drain the queue ahead of backward. It decides the step outcome
 ([Note: step outcome] in errors.py), whether the stage-3 trace is adopted, which parameters
 no rank used (a sum of 0: the optimizer skips them, [Note: unused parameters] in
-flat_pieces.py), and what the bucket tuner learns.
+engine/flat_pieces.py), and what the bucket tuner learns.
 """
 from __future__ import annotations
 

@@ -7,11 +7,11 @@ parameter that no backward of the step reached at None, and every torch optimize
 a parameter: no update, no weight decay, no step count, its state neither created nor
 changed. A parameter that some rank used gets the average over the ranks, the others
 counting zero (the reducer does that). Which parameters no rank used comes from the step
-status all-reduce ([Note: step status] in step_status.py): a rank counts a parameter as used
+status all-reduce ([Note: step status] in engine/step_status.py): a rank counts a parameter as used
 when its post-accumulate-grad hook fired in some micro-batch of the step (a gradient that
 exists but is all zero is used, as in torch).
 
-The inner optimizer steps flat pieces ([Note: flat optimizer] in optim.py), each with one
+The inner optimizer steps flat pieces ([Note: flat optimizer] in engine/optim.py), each with one
 state (one ``step``). A model whose parameters are all used in every step keeps the merged
 segments it was built with. A step that leaves parameters unused first splits the pieces
 that hold them (this rank's part of them) at the start of each unused parameter and at the
@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
-from zeroray.local_shard import LocalShard
+from zeroray.layout.local_shard import LocalShard
 
 
 @dataclass
@@ -139,7 +139,7 @@ class FlatPieces:
 
     def cuts_between(self, signature: Any) -> List[int]:
         """Where to split so that neighbouring parameters whose ``signature(start, end)``
-        differs are in different pieces (an import: [Note: per-element state] in optim.py)."""
+        differs are in different pieces (an import: [Note: per-element state] in engine/optim.py)."""
         cuts, last = [], None
         for i, (start, end) in enumerate(self.spans):
             sig = signature(start, end)

@@ -3,7 +3,7 @@ the modules that compute in fp32 instead.
 
 [Note: mixed precision]
 With ``dtype`` bf16/fp16 the trainable parameters compute in that dtype from their units'
-flat buffers (the optimizer keeps the fp32 master, optim.py). For the rest of the model the
+flat buffers (the optimizer keeps the fp32 master, engine/optim.py). For the rest of the model the
 rule is ``model.to(dtype)``'s, so that a model written for it runs unchanged (a scale or a
 sinusoidal position table registered as a buffer multiplies bf16 activations), with the
 exceptions PyTorch's and Hugging Face's own recipes make:
@@ -27,7 +27,7 @@ every floating buffer outside the fp32 modules (``inv_freq`` too); False leaves 
 in its own dtype. The fp32 modules' buffers stay fp32 under all three.
 
 A simplification, deliberately: the trainable parameters of an fp32 module live in their
-unit's compute-dtype buffer like every other (units are single-dtype, arena.py), so the copy
+unit's compute-dtype buffer like every other (units are single-dtype, layout/arena.py), so the copy
 the forward reads is the fp32 master rounded to the compute dtype once per step, then widened;
 the master and the update keep full precision. FSDP instead stores such modules' parameters
 in fp32. What stays exact is what the recipes are for: statistics accumulated across steps
@@ -56,7 +56,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 import torch
 from torch.nn.modules.batchnorm import _NormBase
 
-from zeroray.forwards import own_forward, restorer
+from zeroray.engine.forwards import own_forward, restorer
 
 ROTARY_BUFFERS = frozenset({"inv_freq", "original_inv_freq"})
 
@@ -247,7 +247,7 @@ def _fp32_forward(module: torch.nn.Module, original: Callable, compute: torch.dt
                     if p is None or not p.is_floating_point() or p.dtype == torch.float32:
                         continue
                     if id(p) not in widened:
-                        widened[id(p)] = p.float()  # a read: stage 3 gathers p if needed (access.py)
+                        widened[id(p)] = p.float()  # a read: stage 3 gathers p if needed (fetch/access.py)
                     swapped.append((owner._parameters, name, p))
                     owner._parameters[name] = widened[id(p)]
             out = original(*args, **kwargs)

@@ -1,17 +1,17 @@
 """The fetch coordinator: when each unit is gathered, waited for and freed, for every stage.
 
-It decides *when*; the units (unit.py) own the buffers, the gatherer (comm/gather.py) moves
-the bytes, the trace and schedule (trace.py) are pure. Events reach it from module hooks
+It decides *when*; the units (fetch/unit.py) own the buffers, the gatherer (comm/gather.py) moves
+the bytes, the trace and schedule (fetch/trace.py) are pure. Events reach it from module hooks
 (a unit root about to run, or done), from parameter reads ([Note: parameter access] in
-access.py) and from autograd unpacking a saved view of a unit in backward.
+fetch/access.py) and from autograd unpacking a saved view of a unit in backward.
 
 Persistent units (stages 1-2): the all-gathers that publish the optimizer's update are all
 started at the end of a step; the first module (or read) that needs a unit waits for its
 gather ([Note: deferred publish]). No unit is freed; the staging buffers of the publish are,
 once its last gather has been waited for (comm/gather.py, release_idle).
 
-Stage 3 follows the schedule of a verified trace ([Note: fetch trace] in trace.py), or, in a
-step without one, negotiates every fetch ([Note: negotiated fetch] in negotiate.py).
+Stage 3 follows the schedule of a verified trace ([Note: fetch trace] in fetch/trace.py), or, in a
+step without one, negotiates every fetch ([Note: negotiated fetch] in fetch/negotiate.py).
 
 [Note: deferred publish]
 After the optimizer step the stage 1-2 all-gathers of the updated parameters are only
@@ -23,7 +23,7 @@ still in flight; every path that reads or rewrites the full parameters calls it 
 [Note: reads during a publish]
 At stages 1-2 a parameter is only unsafe to read while its unit's publish gather is writing
 into it: from ``publish`` until that gather was waited for. Only then does the engine need to
-see reads made outside the hooked modules ([Note: parameter access] in access.py): it turns
+see reads made outside the hooked modules ([Note: parameter access] in fetch/access.py): it turns
 the parameters' access class on when a publish starts (``on_publish``) and off once every
 unit's gather was waited for (``on_resident``: in the first forward, at the latest in
 ``flush`` or at the end of the micro-batch), so the rest of the step's ops on parameters run
@@ -58,9 +58,9 @@ from zeroray.comm.gather import GatherHandle, UnitGatherer
 from zeroray.comm.group import Channel, Group
 from zeroray.comm.waiter import Waiter
 from zeroray.errors import ParameterAccessError, UnrecoverableDivergence
-from zeroray.negotiate import Negotiator
-from zeroray.trace import Event, EventKind, Schedule, digest
-from zeroray.unit import Units, UnitState
+from zeroray.fetch.negotiate import Negotiator
+from zeroray.fetch.trace import Event, EventKind, Schedule, digest
+from zeroray.fetch.unit import Units, UnitState
 
 log = logging.getLogger("zeroray")
 
@@ -240,7 +240,7 @@ class FetchCoordinator:
         self.stats["rounds"] = self.negotiator.rounds
         self.mode = Mode.IDLE
 
-    # --- an inference call (called by the engine): see [Note: inference calls] in inference.py --
+    # --- an inference call (called by the engine): see [Note: inference calls] in engine/inference.py --
 
     def begin_inference(self) -> None:
         """Before ``evaluate``/``run`` computes: stages 1-2 wait for the published gathers where

@@ -21,7 +21,7 @@ events or inside the prefetch window: the prefetcher would gather them again at 
 schedule depends on nothing but the trace and the configuration, so every rank issues the
 same gathers in the same order ([Note: collective order] in group.py), and the list of a
 micro-batch's gathers is known in advance, which is what lets a rank that leaves it still
-issue the rest (see [Note: plan exit] in fetch.py).
+issue the rest (see [Note: plan exit] in fetch/coordinator.py).
 """
 from __future__ import annotations
 

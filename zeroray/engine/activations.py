@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence, Set, Tuple, Union
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from zeroray.forwards import own_forward, restorer
+from zeroray.engine.forwards import own_forward, restorer
 
 
 def checkpoint_targets(model: torch.nn.Module, spec: Union[bool, Tuple[type, ...]]) -> list:

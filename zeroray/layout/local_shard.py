@@ -1,7 +1,7 @@
 """One rank's local shard of one dtype, in shard coordinates, wherever its elements live.
 
 [Note: local shard]
-A rank's local shard ([Note: flat layout] in arena.py) is the concatenation of its slice of
+A rank's local shard ([Note: flat layout] in layout/arena.py) is the concatenation of its slice of
 every unit. Usually it is one contiguous tensor: the stage-3 parameter shard, the fp32 master
 in mixed precision, the fp32 gradient shard. At stages 1-2 the full parameters stay in the
 persistent arena, where unit ``u``'s buffer, seen as a (W, shard_numel) matrix, holds this
@@ -13,7 +13,7 @@ all-gather whose input is a view of its own output row, which moves nothing loca
 
 Code that works on a range of the shard asks for a view (``shard[a:b]``), which must lie in
 one piece (a unit's slice, or any range of a contiguous shard); the flat optimizer's segments
-are cut at the piece boundaries for that ([Note: flat optimizer] in optim.py). ``read``
+are cut at the piece boundaries for that ([Note: flat optimizer] in engine/optim.py). ``read``
 copies a range that spans pieces; ``copy_`` and ``clone`` move whole shards.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import List, Sequence, Tuple, Union
 
 import torch
 
-from zeroray.arena import FlatLayout
+from zeroray.layout.arena import FlatLayout
 
 
 class LocalShard:

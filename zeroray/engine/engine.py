@@ -12,7 +12,7 @@ stage | full params (compute dtype)     | local param shard          | fp32 grad
 3     | per unit, gathered on demand    | shard                      | shard        | shard
 
 At stages 1-2 the local shard is this rank's rows of the arena ([Note: local shard] in
-local_shard.py): the gather source, updated in place. In fp32 the master is the parameter
+layout/local_shard.py): the gather source, updated in place. In fp32 the master is the parameter
 tensor itself (those rows at stages 1-2, the local shard at stage 3, the arena at stage 0):
 no copy; in mixed precision it is a contiguous fp32 shard. Gradients leave autograd
 through a post-accumulate hook and go straight into the coalescing buckets
@@ -24,10 +24,10 @@ every micro-batch into the fp32 shard, so the accumulated gradient only ever exi
 owner's shard ([Note: stage policy]).
 
 One step: every micro-batch runs ``loss_fn`` and backward with the coordinator fetching
-units (fetch.py) and the buckets reducing gradients; then one status all-reduce carries the
+units (fetch/coordinator.py) and the buckets reducing gradients; then one status all-reduce carries the
 squared gradient norm, every rank's outcome ([Note: step outcome] in errors.py) and which
 parameters each rank produced a gradient for; then the optimizer updates the master, skipping
-the parameters no rank used ([Note: unused parameters] in flat_pieces.py), and the update is
+the parameters no rank used ([Note: unused parameters] in engine/flat_pieces.py), and the update is
 published to the full parameters.
 """
 from __future__ import annotations
@@ -42,11 +42,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from zeroray import step_status
-from zeroray.access import ParameterAccess
-from zeroray.activations import ActivationTracker, apply_checkpointing, checkpoint_targets
-from zeroray.arena import FlatLayout
-from zeroray.batch import batch_size, split_batch, to_device  # noqa: F401 (re-exported)
+from zeroray.engine import step_status
+from zeroray.fetch.access import ParameterAccess
+from zeroray.engine.activations import ActivationTracker, apply_checkpointing, checkpoint_targets
+from zeroray.layout.arena import FlatLayout
+from zeroray.engine.batch import batch_size, split_batch, to_device  # noqa: F401 (re-exported)
 from zeroray.comm.bucket_learning import BucketLearning
 from zeroray.comm.buckets import GradBuckets, default_unit_order
 from zeroray.comm.gather import UnitGatherer
@@ -55,14 +55,14 @@ from zeroray.comm.waiter import Waiter
 from zeroray.config import ZeroConfig, validate_optimizer
 from zeroray.context import with_worker_context
 from zeroray.errors import CollectiveError, PeerStepError, StepError
-from zeroray.fetch import FetchCoordinator
-from zeroray.inference import evaluation, failed_ranks, inference_call, to_cpu
-from zeroray.local_shard import LocalShard
-from zeroray.optim import LossScaler, ShardedOptimizer, build_segments
-from zeroray.precision import MixedPrecision, load_untrained
-from zeroray.sharded_init import build_sharded
-from zeroray.stage import StagePolicy
-from zeroray.unit import Units
+from zeroray.fetch.coordinator import FetchCoordinator
+from zeroray.engine.inference import evaluation, failed_ranks, inference_call, to_cpu
+from zeroray.layout.local_shard import LocalShard
+from zeroray.engine.optim import LossScaler, ShardedOptimizer, build_segments
+from zeroray.engine.precision import MixedPrecision, load_untrained
+from zeroray.construct.sharded_init import build_sharded
+from zeroray.layout.stage import StagePolicy
+from zeroray.fetch.unit import Units
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -178,7 +178,7 @@ class Engine:
         layout, fp32, policy = self.layout, self.dtype == torch.float32, self.policy
         # The fp32 initial values of the rank's shard, taken before bind rebinds the parameters:
         # the master of stage 3 and of mixed precision at stages 1-2. fp32 stages 0-2 need none,
-        # their master is the arena itself or its rows ([Note: local shard] in local_shard.py).
+        # their master is the arena itself or its rows ([Note: local shard] in layout/local_shard.py).
         init_shard = None
         if policy.reshard_after_use or (policy.keeps_param_shard and not fp32):
             init_shard = self._initial_shard(named, kept)
@@ -282,7 +282,7 @@ class Engine:
                                       self.coordinator.on_access)
         if self.policy.reshard_after_use:
             self.access.install()
-        else:  # stages 1-2: only while a publish is in flight ([Note: reads during a publish] in fetch.py)
+        else:  # stages 1-2: only while a publish is in flight ([Note: reads during a publish] in fetch/coordinator.py)
             self.coordinator.on_publish, self.coordinator.on_resident = self.access.install, self.access.suspend
 
     def _reduce_for_negotiation(self) -> None:
@@ -311,7 +311,7 @@ class Engine:
             self._hooks.append(named[name].register_post_accumulate_grad_hook(hook))
 
     def _grad_ready(self, name: str, unit: int, p: torch.Tensor) -> None:
-        self._used[name] = 1.0  # it has a gradient: used ([Note: unused parameters] in flat_pieces.py)
+        self._used[name] = 1.0  # it has a gradient: used ([Note: unused parameters] in engine/flat_pieces.py)
         if not self.reducer.accepting:
             return  # stages 0-1 accumulating: autograd keeps the full gradient until the last micro-batch
         self.reducer.add_grad(name, p.grad)
@@ -456,7 +456,7 @@ class Engine:
 
     def _status(self, sumsq: Optional[torch.Tensor], loss_sum: Optional[torch.Tensor]
                 ) -> Tuple[List[int], float, float, List[str]]:
-        """The step's status all-reduce ([Note: step status] in step_status.py): (ranks whose step
+        """The step's status all-reduce ([Note: step status] in engine/step_status.py): (ranks whose step
         failed, global gradient norm, this rank's summed micro-batch losses, the parameters no
         rank produced a gradient for). ``sumsq`` and ``loss_sum`` are None when this rank's step
         failed."""
@@ -498,7 +498,7 @@ class Engine:
 
     def _publish(self) -> None:
         """Make the updated master visible to compute: cast, and start the stage 1-2 gathers
-        ([Note: deferred publish] in fetch.py)."""
+        ([Note: deferred publish] in fetch/coordinator.py)."""
         fp32 = self.dtype == torch.float32
         self.flush()
         with torch.no_grad():
@@ -523,7 +523,7 @@ class Engine:
             return {}
         return dict(self.coordinator.stats)
 
-    # --- evaluation and inference: [Note: inference calls] in inference.py -------------------
+    # --- evaluation and inference: [Note: inference calls] in engine/inference.py -------------------
 
     @with_worker_context
     def evaluate(self, batch: Any, metric_fn: Optional[Callable] = None) -> Dict[str, float]:
@@ -624,7 +624,7 @@ class Engine:
 
     def untrained_state(self) -> Dict[str, torch.Tensor]:
         """Frozen parameters and buffers (replicated), under their state_dict names, each in the
-        dtype the model gave it ([Note: mixed precision] in precision.py)."""
+        dtype the model gave it ([Note: mixed precision] in engine/precision.py)."""
         trained = set(self.layout.slots)
         # keep_vars: the trainable parameters are not touched (at stage 3 they hold no values here)
         return {k: self.precision.exported(k, v) for k, v in self.model.state_dict(keep_vars=True).items()
@@ -653,7 +653,7 @@ class Engine:
 def _adopt_kept_arena(layout: FlatLayout, kept: Dict[str, Tuple[int, int, torch.Tensor]], rank: int,
                       device: torch.device) -> Optional[torch.Tensor]:
     """The fp32 arena in which a sharded build left this rank's slices, laid out as the local
-    shard ([Note: sharded construction] in sharded_init.py), as a 1D tensor with zero padding;
+    shard ([Note: sharded construction] in construct/sharded_init.py), as a 1D tensor with zero padding;
     None when the slices are not there (another dtype or device), and they are then copied."""
     held = [v for lo, hi, v in kept.values() if hi > lo]
     if not held or any(v.dtype != torch.float32 for v in held):

@@ -17,7 +17,7 @@ Mixed precision (fp16/bf16): P = G = 2 and K = 4 (fp32 master weight) + 4·(stat
 so K = 12 for Adam. fp32: P = G = 4 and K = 4·(state floats), so K = 8 for Adam: the
 parameters themselves are the master copy. A sharded term holds ``ceil(Φ/Nd)`` elements per
 worker (a worker holds whole elements), or ``padded_numel/Nd`` when the caller knows the
-engine's padded layout (arena.py pads every unit to a multiple of Nd).
+engine's padded layout (layout/arena.py pads every unit to a multiple of Nd).
 
 All sizes are bytes; "GB" in this project's reports means 1e9 bytes, as in the paper.
 """

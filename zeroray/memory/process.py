@@ -3,7 +3,7 @@ keeps them at what the tensors need.
 
 [Note: process memory]
 On CPU a worker's memory is its resident set (RSS), and what the model states need is only
-part of it; ``memory_report`` breaks the rest down ([Note: RSS breakdown] in memory_report.py).
+part of it; ``memory_report`` breaks the rest down ([Note: RSS breakdown] in memory/report.py).
 Four things here keep the part that is not tensors small; benchmarks/README.md has what
 each one measured (``benchmarks/memory_rss.py``).
 

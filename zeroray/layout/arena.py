@@ -2,7 +2,7 @@
 
 [Note: flat layout]
 Trainable parameters are grouped into *units*, the module subtrees a wrap policy chooses
-(see [Note: wrap policy] in wrap.py), in ``model.named_modules()`` order. A parameter shared
+(see [Note: wrap policy] in layout/wrap.py), in ``model.named_modules()`` order. A parameter shared
 by several modules (tied weights) belongs to the first module that owns it and is stored
 once; a module elsewhere that uses it gathers that unit too (``module_units``).
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 if TYPE_CHECKING:
-    from zeroray.wrap import WrapPolicy
+    from zeroray.layout.wrap import WrapPolicy
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,9 @@ class FlatLayout:
 
     @classmethod
     def from_module(cls, model: torch.nn.Module, world_size: int, wrap: "WrapPolicy" = "module") -> "FlatLayout":
-        """Units from ``model``'s modules by the wrap policy (see [Note: wrap policy] in wrap.py);
+        """Units from ``model``'s modules by the wrap policy (see [Note: wrap policy] in layout/wrap.py);
         frozen parameters (requires_grad=False) stay out."""
-        from zeroray.wrap import layout_specs
+        from zeroray.layout.wrap import layout_specs
 
         unit_specs, aliases, module_uses = layout_specs(model, wrap)
         return cls(unit_specs, world_size, aliases, module_uses)

@@ -1,13 +1,13 @@
 """The life of one unit's parameters: one concept, like FSDP2's ``FSDPParamGroup``.
 
-A *unit* (see [Note: wrap policy] in wrap.py) is a group of parameters gathered with one
+A *unit* (see [Note: wrap policy] in layout/wrap.py) is a group of parameters gathered with one
 collective and reduced through the same buckets. Every trainable parameter of the model
 is, for its whole life, a view into the full buffer of its unit (see [Note: flat layout] in
-arena.py). ``FlatUnit`` owns that buffer, this rank's slice of it (the shard), its state,
+layout/arena.py). ``FlatUnit`` owns that buffer, this rank's slice of it (the shard), its state,
 the gather in flight into it, and the count of gradients still to come in backward.
 ``Units`` holds them all and binds the model's parameters to them.
 
-- Persistent units (stages 0-2, [Note: stage policy] in stage.py): all full buffers are
+- Persistent units (stages 0-2, [Note: stage policy] in layout/stage.py): all full buffers are
   slices of one contiguous arena of ``layout.full_numel`` elements (M_D), allocated once.
 - Stage 3: each unit has its own buffer whose *storage* is freed (resized to 0 bytes) while
   the unit is SHARDED and re-allocated in place before a gather.
@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from zeroray.arena import FlatLayout, Unit
+from zeroray.layout.arena import FlatLayout, Unit
 
 
 class UnitState(enum.Enum):

@@ -1,7 +1,7 @@
 """The wrap policy: which modules gather their subtree's parameters together, as FSDP's units.
 
 [Note: wrap policy]
-The flat layout (arena.py) always cuts the parameters into fine *units*, one per module that
+The flat layout (layout/arena.py) always cuts the parameters into fine *units*, one per module that
 directly owns trainable parameters: that is the grain of sharding, of gradient buckets and
 of checkpoints, whatever the policy. The wrap policy chooses *unit roots*: modules whose
 forward gathers every fine unit of their subtree (except what a deeper unit root gathers
@@ -24,7 +24,7 @@ Policies (``ZeroConfig(wrap=...)``):
 A module elsewhere whose forward uses a parameter of a unit outside its unit root's subtree
 directly (a tied head whose weight lives in the embedding's unit) gathers that unit too.
 A parameter read anywhere else (in ``loss_fn``, or functionally outside its subtree) is
-caught when read and gathered on demand; see [Note: parameter access] in access.py.
+caught when read and gathered on demand; see [Note: parameter access] in fetch/access.py.
 
 Pure: reads names, structure and shapes off a module (the meta-device model works).
 """

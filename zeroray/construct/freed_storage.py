@@ -1,6 +1,6 @@
 """Parameters whose memory is freed while the model is still being built, and brought back
 whenever an operation touches them: the mechanism behind [Note: sharded construction]
-(zeroray/sharded_init.py).
+(zeroray/construct/sharded_init.py).
 
 [Note: freed parameters]
 Each tracked parameter's *storage* is freed in place: its bytes are swapped for a mapping of
