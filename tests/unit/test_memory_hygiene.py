@@ -185,3 +185,42 @@ def test_the_fixed_mmap_threshold_returns_freed_blocks():
     assert kept == 20 * 2**23
     assert fixed < kept + 16 * 2**20, grew
     assert dynamic > kept + 64 * 2**20, grew  # the control: glibc's default keeps the holes
+
+
+# Stage 3's pattern: the blocks of _HOLES allocated inside MappedBlocks.mapped() (as Units.alloc
+# allocates a unit's buffer) or outside it (as activations are).
+_MAPPED = """
+import contextlib, json, sys, torch
+from zeroray.memory.process import MappedBlocks, current_rss_bytes
+blocks = MappedBlocks()
+ctx = blocks.mapped if sys.argv[1] == "inside" else contextlib.nullcontext
+def step():
+    del_me = torch.ones(2**23)  # 32 MiB
+    del del_me
+    before, kept = current_rss_bytes(), []
+    for i in range(40):
+        with ctx():
+            t = torch.ones(2**21)  # 8 MiB
+        if i % 2:
+            kept.append(t)
+    return blocks.active, current_rss_bytes() - before, sum(t.numel() * t.element_size() for t in kept)
+print(json.dumps(step()))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_mapped_blocks_return_only_unit_buffers_to_the_os():
+    """[Note: process memory]: blocks allocated inside ``mapped()`` (stage-3 unit buffers) go back
+    to the OS when freed, so the RSS grows by the kept bytes only; blocks allocated outside it
+    (activations) come from the heap as with glibc's raised threshold, holes and all, so the
+    steps do not fault them in afresh."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    grew = {}
+    for where in ("inside", "outside"):
+        out = subprocess.run([sys.executable, "-c", _MAPPED, where], capture_output=True, text=True, env=env,
+                             check=True, timeout=120)
+        grew[where] = json.loads(out.stdout.strip().splitlines()[-1])
+    (active, inside, kept), (_, outside, _) = grew["inside"], grew["outside"]
+    assert active and kept == 20 * 2**23
+    assert inside < kept + 16 * 2**20, grew
+    assert outside > kept + 64 * 2**20, grew  # the heap still serves (and keeps) the rest

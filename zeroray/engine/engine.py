@@ -58,6 +58,7 @@ from zeroray.errors import CollectiveError, PeerStepError, StepError
 from zeroray.fetch.coordinator import FetchCoordinator
 from zeroray.engine.inference import evaluation, failed_ranks, inference_call, to_cpu
 from zeroray.layout.local_shard import LocalShard
+from zeroray.memory.process import MappedBlocks
 from zeroray.engine.optim import LossScaler, ShardedOptimizer, build_segments
 from zeroray.engine.precision import MixedPrecision, load_untrained
 from zeroray.construct.sharded_init import build_sharded
@@ -182,7 +183,9 @@ class Engine:
         init_shard = None
         if policy.reshard_after_use or (policy.keeps_param_shard and not fp32):
             init_shard = self._initial_shard(named, kept)
-        self.units = Units(layout, self.dtype, self.device, persistent=not policy.reshard_after_use)
+        # Stage 3 on CPU: unit buffers off the heap ([Note: process memory] in memory/process.py).
+        mapped = MappedBlocks().mapped if policy.reshard_after_use and self.device.type == "cpu" else None
+        self.units = Units(layout, self.dtype, self.device, persistent=not policy.reshard_after_use, mapped=mapped)
         self.units.bind(named, copy_values=kept is None)
         if not policy.keeps_param_shard:  # stage 0
             self.param_shard = None

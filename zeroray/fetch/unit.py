@@ -21,8 +21,9 @@ needs no re-binding. This is the technique of FSDP's ``_free_storage``/``_alloc_
 """
 from __future__ import annotations
 
+import contextlib
 import enum
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 
@@ -79,8 +80,12 @@ class FlatUnit:
 class Units:
     """Every unit of the layout, and the binding of the model's parameters to their buffers."""
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, persistent: bool) -> None:
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, persistent: bool,
+                 mapped: Optional[Callable[[], ContextManager]] = None) -> None:
+        """``mapped``: the context a stage-3 buffer is allocated in (``MappedBlocks.mapped`` on
+        CPU: [Note: process memory] in memory/process.py)."""
         self.layout, self.dtype, self.device, self.persistent = layout, dtype, device, persistent
+        self._mapped = mapped or contextlib.nullcontext
         self.arena: Optional[torch.Tensor] = None  # 1D, full_numel (persistent units)
         self.units: List[FlatUnit] = []
         if persistent:
@@ -134,7 +139,8 @@ class Units:
     # --- stage 3: buffers that come and go ------------------------------------------------
 
     def alloc(self, index: int) -> torch.Tensor:
-        full = self.units[index].alloc()
+        with self._mapped():
+            full = self.units[index].alloc()
         self._ptr_to_unit[full.untyped_storage().data_ptr()] = index
         return full
 
