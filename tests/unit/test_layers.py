@@ -1,7 +1,8 @@
 """The import-linter contracts of pyproject.toml hold, and a broken one is caught.
 
 The contracts are the layers of docs/architecture.md ("layers"), "only runtime imports ray",
-"comm knows nothing of models" and "no cycles between sibling modules". They are checked by
+"comm knows nothing of models", "no cycles between sibling modules" and "tests import no
+benchmark". They are checked by
 ``lint-imports`` itself, run here as a subprocess from the repository root, rather than by a
 hand-written walk over the imports: import-linter reads the whole import graph (function-level
 imports too) and names the import chain that breaks a contract.
@@ -41,7 +42,7 @@ def lint_imports(root: Path, *contracts: str) -> subprocess.CompletedProcess:
 
 
 def test_the_contracts_are_the_ones_the_docs_describe():
-    assert CONTRACTS == ["layers", "ray-in-runtime", "comm-no-models", "no-cycles"]
+    assert CONTRACTS == ["layers", "ray-in-runtime", "comm-no-models", "no-cycles", "tests-no-benchmarks"]
 
 
 @pytest.mark.parametrize("contract", [
@@ -56,20 +57,24 @@ def test_contract_is_kept(contract):
 
 @pytest.mark.parametrize("module, line, contract, chain", [
     # Ray reaches down into comm: every layer above comm now imports ray through it.
-    ("comm/waiter.py", "import ray", "ray-in-runtime", "zeroray.comm.waiter -> ray"),
+    ("zeroray/comm/waiter.py", "import ray", "ray-in-runtime", "zeroray.comm.waiter -> ray"),
     # An upward import: the layout (below comm) reaching into the engine.
-    ("layout/arena.py", "from zeroray.engine import engine", "layers",
+    ("zeroray/layout/arena.py", "from zeroray.engine import engine", "layers",
      "zeroray.layout.arena -> zeroray.engine.engine"),
     # comm learning about models: the wrap policy is the layout's business, not the collectives'.
-    ("comm/gather.py", "from zeroray.layout import wrap", "comm-no-models",
+    ("zeroray/comm/gather.py", "from zeroray.layout import wrap", "comm-no-models",
      "zeroray.comm.gather -> zeroray.layout.wrap"),
+    # A test reaching into a benchmark script for a helper (what tests/unit/test_gpu.py once did).
+    ("tests/unit/test_gpu.py", "from benchmarks.gpu_check import main", "tests-no-benchmarks",
+     "tests.unit.test_gpu -> benchmarks.gpu_check"),
 ])
 def test_a_broken_contract_fails_and_names_the_import(tmp_path, module, line, contract, chain):
-    shutil.copytree(ROOT / "zeroray", tmp_path / "zeroray", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("zeroray", "tests", "benchmarks"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__", "results"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    with open(tmp_path / "zeroray" / module, "a") as f:
+    with open(tmp_path / module, "a") as f:
         f.write(f"\n{line}\n")
-    out = lint_imports(tmp_path, "layers", "ray-in-runtime", "comm-no-models")
+    out = lint_imports(tmp_path, *(c for c in CONTRACTS if c not in PENDING))
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"{NAMES[contract]} BROKEN" in out.stdout, out.stdout
     assert chain in out.stdout, out.stdout
