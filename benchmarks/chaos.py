@@ -50,7 +50,7 @@ sys.path[:0] = [os.path.join(ROOT, "examples"), ROOT]
 import torch  # noqa: E402
 
 import gpt  # noqa: E402
-from benchmarks.chaos_cluster import LocalCluster, wait_until  # noqa: E402
+from tests.local_cluster import LocalCluster, wait_until  # noqa: E402
 from benchmarks.chaos_faults import ChaosStorage, fingerprint, gated_loss, latest_history  # noqa: E402
 
 KINDS = ("step-kill", "save-kill", "restore-kill", "node-loss", "hang", "resize")

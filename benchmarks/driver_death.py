@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "examples"), ROOT]
 
 import gpt  # noqa: E402
-from benchmarks.chaos_cluster import LocalCluster, wait_until  # noqa: E402
+from tests.local_cluster import LocalCluster, wait_until  # noqa: E402
 from benchmarks.chaos_faults import fingerprint, gated_loss  # noqa: E402
 
 CFG = gpt.GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2)

@@ -51,8 +51,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.gpu_parity import parity  # noqa: E402,F401 - tests/unit/test_gpu.py runs it
-
 # name -> seconds it may take on the GPU (the whole run is expected in about 4 minutes)
 PARTS = {"engine": 90, "shared": 90, "timing-solo": 120, "timing-group": 120, "fsdp2": 60, "trainer": 120}
 TARGETS = {1: 1.03, 2: 1.03, 3: 1.05}  # the step-time targets through NCCL at world size 1

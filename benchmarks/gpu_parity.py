@@ -1,8 +1,9 @@
 """The correctness parts of benchmarks/gpu_check.py: each compares a run with a reference.
 
 - ``engine``: stages 0-3 against plain PyTorch (fp32, the tests' awkward model), through the
-  SoloGroup and through a real world-1 process group; and restore at the engine level
-  (export -> import into a new engine -> continue) against an uninterrupted engine.
+  SoloGroup and through a real world-1 process group (tests/device_parity.py, which
+  tests/unit/test_gpu.py runs too); and restore at the engine level (export -> import into a
+  new engine -> continue) against an uninterrupted engine.
 - ``shared``: two ranks on one device through host-staged gloo (tests/staged_group.py).
 - ``trainer``: the Ray Trainer on the device, save -> Trainer.restore -> continue against an
   uninterrupted Trainer.
@@ -14,72 +15,13 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
-from typing import Dict, List, Optional
+from typing import List
 
-import torch
-
-from benchmarks.gpu_setup import Setup, world1_group
+from benchmarks.gpu_setup import Setup
 import gpt  # examples/gpt.py, on sys.path through gpu_setup
 
 import zeroray as zr
-from zeroray.comm.group import SoloGroup
-from zeroray.engine.engine import Engine
-
-TOL = 1e-5
-ADAMW = dict(lr=1e-2, weight_decay=0.1)
-
-
-def _engine(setup: Setup, stage: int, group=None) -> Engine:
-    from tests.models import lm_loss, parity_model
-
-    return Engine(parity_model, lm_loss, zr.AdamW(**ADAMW), zr.ZeroConfig(stage=stage), group or SoloGroup(),
-                  device=setup.device)
-
-
-def _param_diff(engine: Engine, reference: Dict[str, torch.Tensor]) -> float:
-    worst = 0.0
-    for name, want in reference.items():
-        if name in engine.layout.slots:
-            lo, hi, piece = engine.master_piece(name)
-            worst = max(worst, (piece - want.reshape(-1)[lo:hi].cpu()).abs().max().item())
-    return worst
-
-
-def parity(device: str, setup: Optional[Setup] = None, failures: Optional[List[str]] = None) -> bool:
-    """Stages 0-3 against plain PyTorch, through the SoloGroup and a world-1 process group."""
-    from tests.models import lm_loss, make_batches, parity_model
-
-    setup = setup or Setup.make(smoke=not device.startswith("cuda"))
-    failures = [] if failures is None else failures
-    batches = [tuple(t.to(device) for t in b) for b in make_batches(6)]
-    torch.manual_seed(0)
-    ref = parity_model().to(device)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **ADAMW)
-    ref_losses = []
-    for b in batches:
-        opt.zero_grad()
-        loss = lm_loss(ref, b)
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
-    ref_params = {k: p.detach() for k, p in ref.named_parameters()}
-    ok = True
-    for via in ("solo", setup.backend):
-        for stage in range(4):
-            group = SoloGroup() if via == "solo" else world1_group(setup.backend)
-            engine = _engine(setup, stage, group)
-            losses = [engine.train_step(b).loss for b in batches]
-            loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-            param_err = _param_diff(engine, ref_params)
-            engine.close()
-            group.close()
-            good = loss_err <= TOL and param_err <= TOL
-            ok &= good
-            line = f"parity {via} stage {stage}: max rel loss diff {loss_err:.2e}, max abs param diff {param_err:.2e}"
-            print(f"{line} {'OK' if good else 'FAIL'}", flush=True)
-            if not good:
-                failures.append(line)
-    return ok
+from tests.device_parity import ADAMW, TOL, parity, parity_engine
 
 
 def engine_restore(setup: Setup, failures: List[str]) -> None:
@@ -88,17 +30,17 @@ def engine_restore(setup: Setup, failures: List[str]) -> None:
 
     batches = make_batches(6)
     for stage in range(4):
-        whole = _engine(setup, stage)
+        whole = parity_engine(setup.device, stage)
         for b in batches:
             whole.train_step(b)
         want = whole.master_shard()
         whole.close()
-        first = _engine(setup, stage)
+        first = parity_engine(setup.device, stage)
         for b in batches[:3]:
             first.train_step(b)
         state = first.export_state()
         first.close()
-        second = _engine(setup, stage)
+        second = parity_engine(setup.device, stage)
         try:
             second.import_state(*state)
             for b in batches[3:]:
@@ -120,7 +62,7 @@ def engine_restore(setup: Setup, failures: List[str]) -> None:
 
 def engine_part(setup: Setup) -> dict:
     failures: List[str] = []
-    parity(setup.device, setup, failures)
+    parity(setup.device, setup.backend, failures)
     engine_restore(setup, failures)
     return {"failures": failures}
 

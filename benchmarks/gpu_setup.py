@@ -1,12 +1,11 @@
-"""What every part of benchmarks/gpu_check.py shares: the sizes of a run, the device, and a
-real world-size-1 process group.
+"""What every part of benchmarks/gpu_check.py shares: the sizes of a run, the device, and the
+batches (the real world-size-1 process group is tests/device_parity.py's ``world1_group``).
 
 Two modes with the same code paths: the GPU run (CUDA, NCCL, the 808M GPT of the issue) and
 ``--smoke`` (CPU, gloo, a tiny GPT), which checks on any machine that the script itself works.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 from dataclasses import dataclass
@@ -55,28 +54,6 @@ class Setup:
         c = self.timing_model
         return (f"GPT d_model {c.d_model}, {c.n_layers} layers, {c.n_heads} heads, batch {self.timing_batch} x "
                 f"{c.seq_len}, bf16")
-
-
-def world1_group(backend: str, timeout_s: float = 120.0):
-    """A real process group of size 1, built as the Ray workers build theirs for several ranks.
-
-    ``make_torch_group`` returns the SoloGroup shortcut at world size 1, where nothing of the
-    NCCL path runs; this builds the store and the backend directly and wraps them in the same
-    ``TorchGroup`` the workers use.
-    """
-    import torch.distributed as dist
-
-    from zeroray.comm.group import TorchGroup, free_port
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timeout, wait_for_workers=True)
-    store = dist.PrefixStore("gpu_check", store)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return TorchGroup(dist.ProcessGroupNCCL(store, 0, 1, opts), 0, 1, "nccl")
-    # gloo's own collectives, as NCCL's are used: zeroray's point-to-point exchange needs a peer.
-    return TorchGroup(dist.ProcessGroupGloo(store, 0, 1, timeout), 0, 1, "gloo", point_to_point=False)
 
 
 def device_batches(setup: Setup, cfg: "gpt.GPTConfig", batch: int, steps: int, seed: int = 0):

@@ -29,10 +29,11 @@ from typing import Callable, Dict, List
 
 import torch
 
-from benchmarks.gpu_setup import Setup, device_batches, world1_group
+from benchmarks.gpu_setup import Setup, device_batches
 import gpt  # examples/gpt.py, on sys.path through gpu_setup
 
 import zeroray as zr
+from tests.device_parity import world1_group
 from zeroray.comm.group import SoloGroup
 from zeroray.engine.engine import Engine
 

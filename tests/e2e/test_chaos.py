@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.chaos_cluster import LocalCluster
+from tests.local_cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 

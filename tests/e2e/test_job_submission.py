@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.chaos_cluster import free_cluster_port
+from tests.local_cluster import free_cluster_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO_ROOT / "cluster" / "local-cluster.sh"

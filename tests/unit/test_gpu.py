@@ -6,9 +6,9 @@ import torch
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_stage_parity_on_cuda():
-    from benchmarks.gpu_check import parity
+    from tests.device_parity import parity
 
-    assert parity("cuda")
+    assert parity("cuda:0")
 
 
 def test_engine_runs_device_agnostic_code_on_cpu():

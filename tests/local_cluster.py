@@ -1,4 +1,6 @@
-"""The chaos run's cluster: cluster/local-cluster.sh, a head and worker nodes on this machine.
+"""A cluster/local-cluster.sh cluster, a head and worker nodes on this machine, for the tests
+that need a real multi-node Ray (tests/e2e: the chaos run, job submission) and for the scripts
+they run (benchmarks/chaos.py, benchmarks/driver_death.py import it from here).
 
 Each node is a ``ray start --block`` in a process group of its own, recorded by the script; a
 node is lost by SIGKILL to that group (``local-cluster.sh kill-node``) and replaced by a new
