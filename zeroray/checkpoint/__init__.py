@@ -10,7 +10,7 @@ from zeroray.checkpoint.consolidate import (consolidate, full_state_dict, iter_f
                                             parameter_count)
 from zeroray.checkpoint.errors import CheckpointError
 from zeroray.checkpoint.filesystem import StoragePath
-from zeroray.checkpoint.manifest import FileEntry, Manifest, ShardInfo
+from zeroray.checkpoint.manifest import FileEntry, Manifest, ManifestFields, ShardInfo
 from zeroray.checkpoint.reshard import (Copy, apply_plan, check_same_params, load_resharded, plan,
                                         reshard_in_memory)
 from zeroray.checkpoint.reader import CheckpointReader, load_extra, read_shard_slices
@@ -19,7 +19,7 @@ from zeroray.checkpoint.store import (checkpoint_dir, commit, is_sharded_key, la
 from zeroray.checkpoint.verify import SkippedCheckpoint, restore_candidates, verify_files
 
 __all__ = [
-    "CheckpointError", "CheckpointReader", "Copy", "FileEntry", "Manifest", "ShardInfo",
+    "CheckpointError", "CheckpointReader", "Copy", "FileEntry", "Manifest", "ManifestFields", "ShardInfo",
     "SkippedCheckpoint", "StoragePath", "apply_plan", "check_same_params", "checkpoint_dir",
     "cli_consolidate", "cli_inspect", "commit", "consolidate",
     "full_state_dict", "is_sharded_key", "iter_full_params", "latest_checkpoint",

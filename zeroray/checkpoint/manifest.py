@@ -14,8 +14,8 @@ import enum
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint.errors import CheckpointError
@@ -79,10 +79,75 @@ class FileEntry:
     sha256: str
 
 
-@dataclass
+@dataclass(frozen=True)
+class ManifestFields:
+    """What the driver adds to the writers' ShardInfos to make a manifest (``commit``), checked
+    once here: ``layout`` (the FlatLayout of the saved shards, or its ``to_dict()``), ``config``
+    and ``extra`` (JSON-able dicts, kept as copies), ``data_position`` (an int >= 0).
+
+    ``of`` also takes the mapping form of earlier releases, ``{"layout": ..., "config": ...}``,
+    whose optional ``world_size`` must match the layout's."""
+
+    layout: FlatLayout
+    config: Dict[str, Any] = field(default_factory=dict)
+    data_position: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        layout = self.layout
+        if isinstance(layout, dict):
+            try:
+                layout = FlatLayout.from_dict(layout)
+            except Exception as e:  # noqa: BLE001 - any malformed dict: say which field
+                raise ValueError(f"manifest field 'layout' cannot be read as a FlatLayout ({e!r}); pass the "
+                                 "FlatLayout of the saved shards or its to_dict()") from e
+        if not isinstance(layout, FlatLayout):
+            raise ValueError(f"manifest field 'layout' must be the FlatLayout of the saved shards, "
+                             f"got {type(layout).__name__}")
+        object.__setattr__(self, "layout", layout)
+        for name in ("config", "extra"):
+            value = getattr(self, name)
+            if not isinstance(value, dict):
+                raise ValueError(f"manifest field {name!r} must be a dict, got {type(value).__name__}")
+            try:
+                copy = json.loads(json.dumps(value))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"manifest field {name!r} must be a JSON-able dict ({e})") from e
+            object.__setattr__(self, name, copy)
+        position = self.data_position
+        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+            raise ValueError(f"manifest field 'data_position'={position!r} must be an integer >= 0")
+
+    @classmethod
+    def of(cls, given: Any) -> "ManifestFields":
+        """``given`` as ManifestFields: itself, or checked from a mapping of the same names."""
+        if isinstance(given, cls):
+            return given
+        if not isinstance(given, Mapping):
+            raise ValueError(f"manifest fields must be a ManifestFields or a dict, got {type(given).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = set(given) - names - {"world_size"}
+        if unknown:
+            raise ValueError(f"commit(manifest_fields=...) has unknown keys {sorted(unknown)}; "
+                             f"allowed: {sorted(names | {'world_size'})}")
+        if "layout" not in given:
+            raise ValueError("commit(manifest_fields=...) needs 'layout' (the FlatLayout of the saved shards)")
+        made = cls(**{k: v for k, v in given.items() if k != "world_size"})
+        if given.get("world_size", made.layout.world_size) != made.layout.world_size:
+            raise ValueError(f"manifest field 'world_size'={given['world_size']} but the layout is for "
+                             f"world_size={made.layout.world_size}")
+        return made
+
+
+_JSON_FIELDS = (("step", int), ("world_size", int), ("layout", dict), ("shards", list), ("scalars", list),
+                ("tensors", dict), ("config", dict), ("data_position", int), ("extra", dict), ("extra_keys", dict))
+
+
+@dataclass(frozen=True)
 class Manifest:
-    """The contents of ``manifest.json``; ``source`` (the step directory it was read from, for
-    loaders and messages) is not serialized."""
+    """The contents of ``manifest.json``, checked once when it is built (``commit``) or read
+    (``from_dict``): a Manifest that exists is well-formed (``__post_init__``). ``source`` (the
+    step directory it was read from, for messages) and ``location`` are not serialized."""
 
     step: int
     world_size: int
@@ -101,6 +166,10 @@ class Manifest:
     # (Storage, step directory) it was read from (None for one built in memory): how loaders
     # reach its files on the same storage, URI options kept. Not serialized.
     location: Optional[Tuple[Any, str]] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self.validate()
 
     # --- derived -------------------------------------------------------------------------
 
@@ -122,56 +191,63 @@ class Manifest:
     # --- (de)serialization -----------------------------------------------------------------
 
     def to_dict(self) -> Dict[str, Any]:
-        d = asdict(replace(self, location=None))  # asdict would deep-copy the storage
-        d.pop("source")
-        d.pop("location")
-        return {"format": FORMAT, **d}
+        """The JSON form (format version 1), field by field in declaration order."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("source", "location")}
+        d["shards"] = [asdict(e) for e in self.shards]
+        d["extra_tensors"] = asdict(self.extra_tensors) if self.extra_tensors else None
+        return {"format": FORMAT, **json.loads(json.dumps(d))}  # a deep copy: the caller may change it
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, source: Optional[str] = None) -> "Manifest":
+    def from_json(cls, text: str, source: Optional[str] = None,
+                  location: Optional[Tuple[Any, str]] = None) -> "Manifest":
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{_where(source)}: not valid JSON ({e}); the manifest is damaged, "
                                   "load an older checkpoint") from e
-        return cls.from_dict(d, source)
+        return cls.from_dict(d, source, location)
 
     @classmethod
-    def from_dict(cls, d: Any, source: Optional[str] = None) -> "Manifest":
+    def from_dict(cls, d: Any, source: Optional[str] = None,
+                  location: Optional[Tuple[Any, str]] = None) -> "Manifest":
         """``source``: the step directory (or manifest path) it came from, for messages."""
-
-        def bad(what: str) -> CheckpointError:
-            return CheckpointError(f"{_where(source)}: {what}; the manifest is damaged or not a zeroray "
-                                   "checkpoint manifest")
-
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise bad(f"missing \"format\": \"{FORMAT}\"")
+            raise _damaged(source, f"missing \"format\": \"{FORMAT}\"")
         if d.get("version") != VERSION:
             raise CheckpointError(f"{_where(source)}: checkpoint format version {d.get('version')!r} is not "
                                   f"supported (this zeroray reads version {VERSION}); use a matching "
                                   "zeroray release")
-        for key, types in (("step", int), ("world_size", int), ("layout", dict), ("shards", list),
-                           ("scalars", list), ("tensors", dict), ("config", dict),
-                           ("data_position", int), ("extra", dict), ("extra_keys", dict)):
+        for key, _ in _JSON_FIELDS:
             if key not in d:
-                raise bad(f"field {key!r} is missing")
-            if not isinstance(d[key], types) or isinstance(d[key], bool):
-                raise bad(f"field {key!r} must be {types.__name__}, got {type(d[key]).__name__}")
+                raise _damaged(source, f"field {key!r} is missing")
         try:
             shards = [FileEntry(**e) for e in d["shards"]]
             extra_tensors = FileEntry(**d["extra_tensors"]) if d.get("extra_tensors") else None
         except TypeError as e:
-            raise bad(f"a file entry is malformed ({e})") from e
-        m = cls(step=d["step"], world_size=d["world_size"], layout=d["layout"], shards=shards,
-                scalars=d["scalars"], tensors=d["tensors"], config=d["config"],
-                data_position=d["data_position"], extra=d["extra"], extra_tensors=extra_tensors,
-                extra_keys=d["extra_keys"], created=float(d.get("created", 0.0)),
-                version=d["version"], source=source)
-        m.validate()
-        return m
+            raise _damaged(source, f"a file entry is malformed ({e})") from e
+        created = d.get("created", 0.0)
+        if not isinstance(created, (int, float)) or isinstance(created, bool):
+            raise _damaged(source, f"field 'created' must be a number, got {type(created).__name__}")
+        return cls(step=d["step"], world_size=d["world_size"], layout=d["layout"], shards=shards,
+                   scalars=d["scalars"], tensors=d["tensors"], config=d["config"],
+                   data_position=d["data_position"], extra=d["extra"], extra_tensors=extra_tensors,
+                   extra_keys=d["extra_keys"], created=float(created), version=d["version"], source=source,
+                   location=location)
+
+    def _check_types(self) -> None:
+        for key, types in _JSON_FIELDS:
+            value = getattr(self, key)
+            if not isinstance(value, types) or isinstance(value, bool):
+                raise _damaged(self.source, f"field {key!r} must be {types.__name__}, got {type(value).__name__}")
+        for e in self.files():
+            if not isinstance(e, FileEntry):
+                raise _damaged(self.source, f"a file entry is malformed (a {type(e).__name__}, not a FileEntry)")
+        for key, v in self.tensors.items():
+            if not isinstance(v, dict):
+                raise _damaged(self.source, f"field 'tensors' entry {key!r} must be a dict, got {type(v).__name__}")
 
     def validate(self) -> None:
         """Internal consistency; raises CheckpointError saying which field is wrong."""
@@ -184,6 +260,8 @@ class Manifest:
             raise bad(f"step must be >= 0, got {self.step}")
         if self.world_size < 1:
             raise bad(f"world_size must be >= 1, got {self.world_size}")
+        if self.data_position < 0:
+            raise bad(f"data_position must be >= 0, got {self.data_position}")
         if len(self.shards) != self.world_size or len(self.scalars) != self.world_size:
             raise bad(f"world_size is {self.world_size} but there are {len(self.shards)} shard "
                       f"entries and {len(self.scalars)} scalar entries; the manifest is damaged")
@@ -204,12 +282,16 @@ class Manifest:
                           f"[{layout.shard_numel}] for the recorded layout")
 
 
+def _damaged(source: Optional[str], what: str) -> CheckpointError:
+    return CheckpointError(f"{_where(source)}: {what}; the manifest is damaged or not a zeroray checkpoint manifest")
+
+
 # --- I/O ---------------------------------------------------------------------------------------
 
 
 def write_manifest(storage, step_dir: str, manifest: Manifest) -> None:
-    """Write ``manifest.json`` atomically ([Note: atomic writes]): it is the commit point."""
-    manifest.validate()
+    """Write ``manifest.json`` atomically ([Note: atomic writes]): it is the commit point (the
+    Manifest checked itself when it was built)."""
     storage.write_bytes(storage.join(step_dir, MANIFEST_NAME), manifest.to_json().encode())
 
 
@@ -223,6 +305,4 @@ def read_manifest(storage, step_dir: str) -> Manifest:
         text = storage.read_bytes(path).decode()
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{where}: not UTF-8 text; the manifest is damaged") from e
-    m = Manifest.from_json(text, source=storage.display(step_dir))
-    m.location = (storage, step_dir)
-    return m
+    return Manifest.from_json(text, source=storage.display(step_dir), location=(storage, step_dir))

@@ -24,20 +24,20 @@ Reading the files back, verified against the manifest: reader.py.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint.errors import CheckpointError
 from zeroray.checkpoint.filesystem import PathLike, Storage, is_temp_name, resolve, same_kind
-from zeroray.checkpoint.manifest import (EXTRA_NAME, MANIFEST_NAME, FileEntry, FileKind, Manifest, ShardInfo,
+from zeroray.checkpoint.manifest import (EXTRA_NAME, MANIFEST_NAME, FileEntry, FileKind, Manifest,
+                                         ManifestFields, ShardInfo,
                                          parse_step_dir, read_manifest, shard_name, step_dir_name,
                                          write_manifest)
 from zeroray.checkpoint.tensorfile import TensorSpec, dtype_code, write_tensors
 
 LATEST_NAME = "latest"
-MANIFEST_FIELDS = ("layout", "config", "data_position", "extra", "world_size")
 
 
 def is_sharded_key(key: str, value: Any, shard_numel: int) -> bool:
@@ -146,27 +146,21 @@ def _classify(infos: List[ShardInfo], layout: FlatLayout) -> Dict[str, Dict[str,
     return out
 
 
-def commit(root: PathLike, step: int, manifest_fields: Mapping[str, Any],
+def commit(root: PathLike, step: int, manifest_fields: Union[ManifestFields, Mapping[str, Any]],
            shard_infos: Sequence[ShardInfo], keep: Optional[int] = None) -> PathLike:
     """Make ``step`` a complete checkpoint and the latest one; returns its directory (a
     StoragePath when ``root`` is one, else a string).
 
-    ``manifest_fields``: "layout" (FlatLayout or its to_dict(), required), and optionally
-    "config" (dict), "data_position" (int), "extra" (dict), "world_size" (checked).
+    ``manifest_fields``: a ManifestFields (layout, config, data_position, extra), or a dict of
+    those names (see ``ManifestFields.of``).
     ``shard_infos``: every rank's ShardInfo and, if one was written, the extra file's.
     ``keep``: after committing, keep only the newest ``keep`` complete checkpoints (None: all).
     See [Note: checkpoint commit protocol]."""
     _check_step(step)
-    unknown = set(manifest_fields) - set(MANIFEST_FIELDS)
-    if unknown:
-        raise ValueError(f"commit(manifest_fields=...) has unknown keys {sorted(unknown)}; "
-                         f"allowed: {list(MANIFEST_FIELDS)}")
-    if "layout" not in manifest_fields:
-        raise ValueError("commit(manifest_fields=...) needs 'layout' (the FlatLayout of the saved shards)")
+    given = ManifestFields.of(manifest_fields)
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise ValueError(f"keep={keep!r} is invalid: it must be an integer >= 1 or None (keep all)")
-    layout = manifest_fields["layout"]
-    layout = layout if isinstance(layout, FlatLayout) else FlatLayout.from_dict(layout)
+    layout = given.layout
     shards = sorted((i for i in shard_infos if i.kind is FileKind.SHARD), key=lambda i: i.rank)
     extras = [i for i in shard_infos if i.kind is FileKind.EXTRA]
     world_size = layout.world_size
@@ -176,22 +170,8 @@ def commit(root: PathLike, step: int, manifest_fields: Mapping[str, Any],
         raise ValueError(f"commit needs exactly one ShardInfo per rank 0..N-1 (N={world_size}, the "
                          f"layout's world size), got ranks {ranks}, missing {missing}; wait for every "
                          "worker's write_shard, and pass the layout the workers used")
-    if manifest_fields.get("world_size", world_size) != world_size:
-        raise ValueError(f"manifest_fields['world_size']={manifest_fields['world_size']} but the "
-                         f"layout is for world_size={world_size}")
     if len(extras) > 1:
         raise ValueError(f"at most one extra file per checkpoint, got {len(extras)}")
-    for name in ("config", "extra"):
-        value = manifest_fields.get(name, {})
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"manifest_fields[{name!r}] must be a JSON-able dict ({e})") from e
-        if not isinstance(value, dict):
-            raise ValueError(f"manifest_fields[{name!r}] must be a dict, got {type(value).__name__}")
-    data_position = manifest_fields.get("data_position", 0)
-    if not isinstance(data_position, int) or isinstance(data_position, bool) or data_position < 0:
-        raise ValueError(f"manifest_fields['data_position']={data_position!r} must be an integer >= 0")
 
     storage, root_path = resolve(root)
     step_dir = storage.join(root_path, step_dir_name(step))
@@ -201,9 +181,7 @@ def commit(root: PathLike, step: int, manifest_fields: Mapping[str, Any],
         step=step, world_size=world_size, layout=layout.to_dict(),
         shards=[FileEntry(i.file, i.bytes, i.sha256) for i in shards],
         scalars=[i.scalars or {} for i in shards], tensors=_classify(shards, layout),
-        config=json.loads(json.dumps(manifest_fields.get("config", {}))),
-        data_position=data_position,
-        extra=json.loads(json.dumps(manifest_fields.get("extra", {}))),
+        config=given.config, data_position=given.data_position, extra=given.extra,
         extra_tensors=FileEntry(extra.file, extra.bytes, extra.sha256) if extra else None,
         extra_keys={k: {"dtype": c, "shape": list(s)} for k, c, s in extra.tensors} if extra else {},
         source=storage.display(step_dir))

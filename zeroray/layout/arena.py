@@ -27,7 +27,7 @@ This module is pure: it reads names, shapes and dtypes off a module and does ari
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -157,13 +157,6 @@ class FlatLayout:
             out.append(acc)
             acc += u.numel
         return out
-
-    def shard_pieces(self, rank: int) -> Iterable[Tuple[Unit, int, int, int]]:
-        """For each unit: (unit, lo, hi, local_offset): the unit elements [lo, hi) that ``rank``
-        owns sit at ``local_offset`` in its local shard. Padding follows them within the slice."""
-        for u in self.units:
-            lo, hi = u.rank_range(rank)
-            yield u, lo, hi, u.shard_offset
 
     def param_shard_range(self, name: str, rank: int) -> Tuple[int, int, int]:
         """(start, lo, hi): ``rank`` holds the flat elements ``[lo, hi)`` of parameter ``name``

@@ -9,14 +9,21 @@ what the trainer is doing, and each transition is one of its methods:
     IDLE -> RESIZING -> IDLE                                resize()
     IDLE -> EVALUATING -> IDLE                              evaluate() (fit evaluates while FITTING)
     IDLE -> RUNNING -> IDLE                                 run()
-    any  -> CLOSED                                          close() (or a recovery that could not restart)
+    RECOVERING -> CLOSED                                    recover() that could not restart
+    any  -> CLOSED                                          close() (again: stays CLOSED)
 
-A call that its state does not allow (``step`` from inside a ``fit`` callback, anything after
-``close``) is a ``RuntimeError`` that says what the trainer is doing. The failure and scaling
-policies (policy.py) return decisions to ``recover``, which acts on them. ``fit`` (fit_loop.py)
-and Ray Data input (data.py) drive it through these public methods: ``submit_step`` /
-``submit_local_step`` send a step without waiting, ``finish_step`` collects it, ``discard``
-drops steps that must not count; ``in_flight`` says how many were sent and not yet collected.
+Every change of state goes through the one table of moves (``TRANSITIONS`` in trainer_state.py,
+through ``self.states``), close and recovery included. A call that its state does not allow (``step`` from inside a ``fit``
+callback, anything after ``close``) is a ``RuntimeError`` that says what the trainer is doing.
+The failure and scaling policies (policy.py) return decisions to ``recover``, which acts on
+them. ``fit`` (fit_loop.py) and Ray Data input (data.py) drive it through these public
+methods: ``submit_step`` / ``submit_local_step`` send a step without waiting, ``finish_step``
+collects it, ``discard`` drops steps that must not count; ``in_flight`` says how many were sent
+and not yet collected.
+
+The Controller is the only writer of its state: the step count, the data position (a step
+collected while FITTING consumed one global batch of fit's data; ``begin_fit``, ``load``,
+recovery and ``seek`` set it), the last checkpoint, the group.
 
 [Note: failed saves]
 A save that cannot be written (a full disk, a storage that refuses a write, on a worker or on
@@ -31,7 +38,6 @@ next worker failure would throw away every step since the last good save.
 """
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections import deque
@@ -46,38 +52,14 @@ from zeroray.runtime.batch_transport import PackedBatch
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.data import evaluation_batches
 from zeroray.runtime.failures import PlacementError, WorkerSetupError, is_worker_failure
+from zeroray.runtime.messages import WorkerSpec
 from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
 from zeroray.runtime.sequencer import Cancelled
 from zeroray.runtime.step import PendingStep, StepResult
+from zeroray.runtime.trainer_state import SHUT_DOWN, StateMachine, TrainerState
 from zeroray.runtime.worker_group import WorkerGroup
 
 log = logging.getLogger("zeroray")
-
-
-class TrainerState(enum.Enum):
-    """What the trainer is doing; see [Note: trainer states]."""
-
-    IDLE = "idle"
-    STEPPING = "stepping"
-    FITTING = "fitting"
-    RECOVERING = "recovering"
-    RESIZING = "resizing"
-    EVALUATING = "evaluating"
-    RUNNING = "running"
-    CLOSED = "closed"
-
-
-_ALLOWED = {
-    TrainerState.IDLE: {TrainerState.STEPPING, TrainerState.FITTING, TrainerState.RESIZING,
-                        TrainerState.EVALUATING, TrainerState.RUNNING},
-    TrainerState.STEPPING: {TrainerState.IDLE},
-    TrainerState.FITTING: {TrainerState.RECOVERING, TrainerState.IDLE},
-    TrainerState.RECOVERING: {TrainerState.FITTING},
-    TrainerState.RESIZING: {TrainerState.IDLE},
-    TrainerState.EVALUATING: {TrainerState.IDLE},
-    TrainerState.RUNNING: {TrainerState.IDLE},
-    TrainerState.CLOSED: set(),
-}
 
 
 class GroupSlot:
@@ -96,10 +78,10 @@ class Controller:
     """Owns the worker group, the step count, the data position and the last checkpoint; every
     change of what the trainer is doing goes through one of its methods ([Note: trainer states])."""
 
-    def __init__(self, spec: Dict[str, Any], scaling: ScalingConfig, zero: ZeroConfig) -> None:
+    def __init__(self, spec: WorkerSpec, scaling: ScalingConfig, zero: ZeroConfig) -> None:
         self.spec, self.scaling, self.zero = spec, scaling, zero
         self.slot = GroupSlot()
-        self.state = TrainerState.IDLE
+        self.states = StateMachine()              # what the trainer is doing: its only writer
         self.step_count = 0
         self.data_position = 0                     # global batches consumed from fit's data
         self.last_checkpoint: Optional[str] = None
@@ -113,9 +95,13 @@ class Controller:
     # --- the group -------------------------------------------------------------------------
 
     @property
+    def state(self) -> TrainerState:
+        return self.states.state
+
+    @property
     def group(self) -> WorkerGroup:
         if self.slot.group is None:
-            raise RuntimeError("this Trainer was shut down: build a new one (or zr.Trainer.restore(...))")
+            raise RuntimeError(SHUT_DOWN)
         return self.slot.group
 
     @property
@@ -128,36 +114,32 @@ class Controller:
     def _adopt(self, group: WorkerGroup) -> None:
         self.slot.group = group
         info = group.setup_info[0]
-        self.layout = FlatLayout.from_dict(info["layout"])
-        self.state_dict_keys: List[str] = info["state_dict_keys"]
-
-    def _enter(self, state: TrainerState) -> None:
-        if state not in _ALLOWED[self.state]:
-            if self.state is TrainerState.CLOSED:
-                raise RuntimeError("this Trainer was shut down: build a new one (or zr.Trainer.restore(...))")
-            raise RuntimeError(f"cannot start {state.value} while the Trainer is {self.state.value}: "
-                               "wait until that returns (a Trainer does one thing at a time)")
-        self.state = state
-
-    def _leave(self, state: TrainerState, to: TrainerState = TrainerState.IDLE) -> None:
-        if self.state is state:
-            self.state = to
+        self.layout: FlatLayout = info.layout
+        self.state_dict_keys: List[str] = list(info.state_dict_keys)
 
     def close(self) -> None:
         """Release the actors and the placement group (any state -> CLOSED). Safe to call twice."""
-        self.state = TrainerState.CLOSED
+        self.states.enter(TrainerState.CLOSED)
         self.in_flight = 0
         self.slot.release()
+
+    def seek(self, position: int) -> None:
+        """IDLE: the next fit starts at global batch ``position`` of its data (``trainer.data_position = p``)."""
+        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+            raise ValueError(f"data_position={position!r} must be an integer >= 0 (global batches of fit's data)")
+        if self.state is not TrainerState.IDLE:
+            raise RuntimeError(f"data_position can be set only while the Trainer is idle, not {self.state.value}")
+        self.data_position = position
 
     # --- steps -----------------------------------------------------------------------------
 
     def step(self, batch: Any) -> StepResult:
         """One step on a global batch, collected before returning (IDLE -> STEPPING -> IDLE)."""
-        self._enter(TrainerState.STEPPING)
+        self.states.enter(TrainerState.STEPPING)
         try:
             return self.finish_step(self.submit_step(batch))
         finally:
-            self._leave(TrainerState.STEPPING)
+            self.states.leave(TrainerState.STEPPING)
 
     def _check_batch(self, batch: Any) -> None:
         size = batch_size(batch)
@@ -207,7 +189,9 @@ class Controller:
             raise RuntimeError(f"step {pending.number - 1} ran on some workers only: {outs}")
         result = PendingStep.combine(outs)
         self.step_count = result.step
-        result.timeline = {"submit": pending.submitted_at, **outs[0]["hops"], "receive": time.time()}
+        if self.state is TrainerState.FITTING:  # a fit's step consumed one global batch ([Note: data replay])
+            self.data_position += 1
+        result.timeline = {"submit": pending.submitted_at, **outs[0].hops.as_dict(), "receive": time.time()}
         return result
 
     def discard(self, pending: Sequence[PendingStep], timeout_s: float = 10.0) -> None:
@@ -221,11 +205,11 @@ class Controller:
     def evaluate(self, data: Any, metric_fn: Optional[Callable],
                  dataset_batch_size: Optional[int]) -> Dict[str, float]:
         """IDLE -> EVALUATING -> IDLE: see Trainer.evaluate."""
-        self._enter(TrainerState.EVALUATING)
+        self.states.enter(TrainerState.EVALUATING)
         try:
             return self._evaluate(data, metric_fn, dataset_batch_size)
         finally:
-            self._leave(TrainerState.EVALUATING)
+            self.states.leave(TrainerState.EVALUATING)
 
     def evaluate_in_fit(self, data: Any, metric_fn: Optional[Callable],
                         dataset_batch_size: Optional[int]) -> Dict[str, float]:
@@ -275,24 +259,24 @@ class Controller:
 
     def run(self, fn: Callable, args: Tuple[Any, ...]) -> Any:
         """IDLE -> RUNNING -> IDLE: see Trainer.run."""
-        self._enter(TrainerState.RUNNING)
+        self.states.enter(TrainerState.RUNNING)
         try:
             group = self.group
             return group.wait_all(group.call("run", fn, ray.put(args)), None, "run")[0]
         finally:
-            self._leave(TrainerState.RUNNING)
+            self.states.leave(TrainerState.RUNNING)
 
     # --- fit -------------------------------------------------------------------------------
 
     def begin_fit(self, skip: Optional[int]) -> None:
         """IDLE -> FITTING: the fit's data starts at ``skip`` (default: the current data position)."""
-        self._enter(TrainerState.FITTING)
+        self.states.enter(TrainerState.FITTING)
         self.data_position = self.data_position if skip is None else skip
         self._fit_origin = (self.step_count, self.data_position)
 
     def end_fit(self) -> None:
         """FITTING -> IDLE (also after fit raised)."""
-        self._leave(TrainerState.FITTING)
+        self.states.leave(TrainerState.FITTING)
 
     def recover(self, error: BaseException, failures: FailurePolicy, scaling: ScalingPolicy,
                 note: Callable[[str], None]) -> None:
@@ -304,7 +288,7 @@ class Controller:
         """
         detected = time.monotonic()
         applied = self.step_count  # steps applied when the failure was seen: those past the checkpoint are redone
-        self._enter(TrainerState.RECOVERING)
+        self.states.enter(TrainerState.RECOVERING)
         try:
             while True:
                 decision = failures.on_failure(error, user_error=not is_worker_failure(error))
@@ -322,10 +306,10 @@ class Controller:
                     if not is_worker_failure(again):
                         raise
                     error = again
-        except BaseException:
-            self.state = TrainerState.FITTING if self.slot.group is not None else TrainerState.CLOSED
+        except BaseException:  # back to the fit, which raises; without a group, nothing can go on
+            self.states.enter(TrainerState.FITTING if self.slot.group is not None else TrainerState.CLOSED)
             raise
-        self._leave(TrainerState.RECOVERING, TrainerState.FITTING)
+        self.states.leave(TrainerState.RECOVERING, TrainerState.FITTING)
         resumed = time.monotonic()
         self.last_recovery_s = resumed - detected
         self.recoveries.append({"cause": f"{type(error).__name__}: {error}", "detected_at": detected,
@@ -375,7 +359,7 @@ class Controller:
     def save(self, root: Any, keep: Optional[int]) -> Any:
         """Every worker writes its shard in parallel, then the driver commits the manifest.
         A write that fails leaves the last checkpoint as it was; see [Note: failed saves]."""
-        from zeroray.checkpoint import commit
+        from zeroray.checkpoint import ManifestFields, commit
 
         if self.state not in (TrainerState.IDLE, TrainerState.FITTING):
             raise RuntimeError(f"cannot save while the Trainer is {self.state.value}")
@@ -384,9 +368,10 @@ class Controller:
             # Independent writes: one worker's failed write does not leave the others out of step.
             outs = group.wait_all(group.call("save_shard", root, self.step_count), None, "save", independent=True)
             infos = [o[0] for o in outs] + [o[1] for o in outs if o[1] is not None]
-            fields = {"layout": self.layout, "world_size": self.num_workers, "data_position": self.data_position,
-                      "config": {"zero": repr(self.zero), "scaling": repr(self.scaling), "seed": self.spec["seed"]},
-                      "extra": {"state_dict_keys": self.state_dict_keys}}
+            fields = ManifestFields(layout=self.layout, data_position=self.data_position,
+                                    config={"zero": repr(self.zero), "scaling": repr(self.scaling),
+                                            "seed": self.spec.seed},
+                                    extra={"state_dict_keys": self.state_dict_keys})
             self.last_checkpoint = commit(root, self.step_count, fields, infos, keep=keep)
         except Exception as error:
             if not is_worker_failure(error):
@@ -439,7 +424,7 @@ class Controller:
         in state_transfer.py). If the new workers cannot be placed or built, the trainer goes on
         with its old workers and the error says so."""
         ScalingConfig(num_workers=num_workers)  # validates
-        self._enter(TrainerState.RESIZING)
+        self.states.enter(TrainerState.RESIZING)
         try:
             old = self.group
             scaling = ScalingConfig(**{**vars(self.scaling), "num_workers": num_workers,
@@ -462,11 +447,11 @@ class Controller:
             self.scaling = scaling
             self.step_count = steps[0]
         finally:
-            self._leave(TrainerState.RESIZING)
+            self.states.leave(TrainerState.RESIZING)
 
     def _move_state(self, old: WorkerGroup, new: WorkerGroup) -> List[int]:
         """Every old worker's pieces straight to the new workers that own them; see [Note: resize transfer]."""
-        targets = [info["state_layout"] for info in new.setup_info]
+        targets = [info.resize_target() for info in new.setup_info]
         m = new.num_workers
         per_old = old.call("export_pieces", targets, num_returns=m + 1)  # per old rank: m pieces, then a record
         untrained = old.call("untrained_state", ranks=[0])[0]  # the replicated buffers and frozen parameters

@@ -1,25 +1,12 @@
-"""Ray Data input: every worker pulls its own split of a ``ray.data.Dataset``.
+"""Ray Data input, the driver side: every worker pulls its own split of a ``ray.data.Dataset``.
 
 ``trainer.fit(dataset, batch_size=GLOBAL)`` cuts the dataset with
 ``dataset.streaming_split(num_workers, equal=True)``, in a fixed order ([Note: Ray Data
-replay]), and hands split ``r`` to worker ``r``,
-which iterates it itself in local batches of ``GLOBAL // num_workers`` rows. Rows go from
-Ray Data's executor straight to the worker that trains on them, never through the driver;
-each step the driver only tells every worker "train on your next batch" (``train_next``).
-
-[Note: Ray Data batches]
-A worker's batch is a dict ``{column name: tensor}`` with dim 0 the local batch, and that
-dict is what ``loss_fn(model, batch)`` receives. Numeric and bool columns become tensors of
-their own dtype (zero-copy where numpy allows); a column of equal-shape arrays (a tensor
-column) becomes one tensor of shape ``(rows, *shape)``. A column with no tensor form
-(strings, ragged lists) is a ``ValueError`` naming it: drop it or encode it to numbers with
-``dataset.map_batches`` before fit. Every split holds the same number of rows
-(``equal=True``, which may drop up to ``num_workers - 1`` rows) and each worker drops its
-last partial batch, so all workers run out of batches on the same step.
-
-Global-batch semantics are those of ``trainer.step``: the step's global batch is the
-concatenation of the workers' local batches in rank order, and the loss, gradients and
-update equal ``trainer.step`` on that concatenation (tests/ray/test_ray_data.py checks it).
+replay]), and hands split ``r`` to worker ``r``, which iterates it itself in local batches of
+``GLOBAL // num_workers`` rows (local_feed.py, the worker side, and [Note: Ray Data batches]
+there). Rows go from Ray Data's executor straight to the worker that trains on them, never
+through the driver; each step the driver only tells every worker "train on your next batch"
+(``train_next``). This side never imports the worker's, nor the worker this one.
 
 [Note: Ray Data replay]
 ``trainer.data_position`` counts global batches, as for any other data. A fit that starts at
@@ -47,86 +34,23 @@ from __future__ import annotations
 import sys
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
-import numpy as np
-import torch
-
-if TYPE_CHECKING:  # the worker side of this module must not import the driver's
-    from zeroray.runtime.controller import Controller
+if TYPE_CHECKING:
     from zeroray.runtime.step import PendingStep
+    from zeroray.runtime.worker_group import WorkerGroup
+
+
+class LocalStepSender(Protocol):
+    """What RayDataFeed needs of the Controller, which imports this module (for evaluation_batches)."""
+
+    def submit_local_step(self, *, after_ok: bool = False, tokens: Optional[int] = None) -> "PendingStep": ...
 
 
 def is_ray_dataset(data: Any) -> bool:
     """Whether ``data`` is a ``ray.data.Dataset``, without importing ray.data (seconds) for a list."""
     ray_data = sys.modules.get("ray.data")  # a Dataset exists only once ray.data was imported
     return ray_data is not None and isinstance(data, ray_data.Dataset)
-
-
-# --- worker side ---------------------------------------------------------------------------
-
-
-def to_tensors(columns: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-    """A numpy batch from Ray Data (column -> array) as a dict of tensors; see [Note: Ray Data batches]."""
-    out = {}
-    for name, column in columns.items():
-        array = np.asarray(column)
-        if array.dtype == object:  # a tensor column whose rows numpy kept as separate arrays
-            try:
-                array = np.array(array.tolist())
-            except ValueError:
-                raise ValueError(f"column {name!r} holds rows of different shapes (ragged), which make no "
-                                 "tensor: pad them to one length with dataset.map_batches(...) or drop the column "
-                                 f"(dataset.drop_columns([{name!r}])) before fit") from None
-        if array.dtype.kind not in "biufc":
-            raise ValueError(f"column {name!r} has dtype {array.dtype}, which has no tensor form: encode it to "
-                             f"numbers with dataset.map_batches(...) or drop it (dataset.drop_columns([{name!r}])) "
-                             "before fit")
-        if not array.flags.writeable or not array.flags.c_contiguous:
-            array = np.array(array, order="C")  # torch tensors must own writable memory
-        out[name] = torch.from_numpy(array)
-    return out
-
-
-class LocalFeed:
-    """One worker's split, read in local batches.
-
-    At attach it reads the first batch ahead, so the driver learns the tokens per step before
-    the first step (progress's tokens/s); after that each ``take`` reads its own batch (Ray
-    Data's ``prefetch_batches`` already reads ahead in the background). Every split holds the
-    same number of batches ([Note: Ray Data batches]), so every worker's ``take`` runs out on
-    the same step and the driver's pipelined call behind the last step finds nothing to do.
-    """
-
-    def __init__(self, split: Any, batch_size: int, skip: int, feed_id: str) -> None:
-        self.feed_id = feed_id
-        self._batches = iter(split.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=True,
-                                                prefetch_batches=1))
-        for _ in range(skip):  # see [Note: Ray Data replay]
-            if next(self._batches, None) is None:
-                break
-        self._ahead: Optional[Dict[str, torch.Tensor]] = self._read()
-
-    def _read(self) -> Optional[Dict[str, torch.Tensor]]:
-        raw = next(self._batches, None)
-        return None if raw is None else to_tensors(raw)
-
-    def take(self) -> Optional[Dict[str, torch.Tensor]]:
-        """The next local batch; None when the split has run out."""
-        if self._ahead is not None:
-            batch, self._ahead = self._ahead, None
-            return batch
-        return self._read()
-
-    def peek_info(self) -> Dict[str, Any]:
-        """Rows and tokens of the first batch: tokens is the largest column's element count."""
-        if self._ahead is None:
-            return {"has_next": False, "rows": 0, "tokens": 0}
-        sizes = [t.numel() for t in self._ahead.values()]
-        return {"has_next": True, "rows": next(iter(self._ahead.values())).shape[0], "tokens": max(sizes)}
-
-
-# --- driver side ---------------------------------------------------------------------------
 
 
 def local_batch_size(global_batch_size: Any, num_workers: int, grad_accum_steps: int) -> int:
@@ -174,28 +98,29 @@ def evaluation_batches(data: Any, dataset_batch_size: Optional[int]) -> Iterator
 class RayDataFeed:
     """fit's source of steps for a ``ray.data.Dataset``: each worker pulls its own split.
 
-    Cuts ``dataset`` with ``streaming_split(num_workers, equal=True)``, in a fixed order, over the
-    controller's current group and attaches split ``r`` to worker ``r``, skipping ``skip`` local batches
-    ([Note: Ray Data replay]). ``submit`` sends one step on every worker's next batch (None once
-    the splits are known to be empty); ``close`` detaches the splits (fit closes the feed when it
-    ends, and on recovery, when the group it was attached to is already gone).
+    Cuts ``dataset`` with ``streaming_split(num_workers, equal=True)``, in a fixed order, over
+    ``group`` (the controller's current one) and attaches split ``r`` to worker ``r``, skipping
+    ``skip`` local batches ([Note: Ray Data replay]). ``submit`` sends one step on every worker's
+    next batch through the controller (None once the splits are known to be empty); ``close``
+    detaches the splits (fit closes the feed when it ends, and on recovery, when the group it
+    was attached to is already gone).
     """
 
-    def __init__(self, controller: "Controller", dataset: Any, global_batch_size: Optional[int], skip: int) -> None:
-        group = controller.group
-        local = local_batch_size(global_batch_size, group.num_workers, controller.zero.grad_accum_steps)
-        self.controller, self.group, self.feed_id = controller, group, uuid.uuid4().hex
+    def __init__(self, group: "WorkerGroup", dataset: Any, global_batch_size: Optional[int], skip: int,
+                 grad_accum_steps: int) -> None:
+        local = local_batch_size(global_batch_size, group.num_workers, grad_accum_steps)
+        self.group, self.feed_id = group, uuid.uuid4().hex
         splits = _in_fixed_order(dataset).streaming_split(group.num_workers, equal=True)
         infos = group.wait_all(group.call_each("attach_data", [(split, local, skip, self.feed_id) for split in splits]),
-                               None, "attach the Ray Data splits")
-        self.empty = not all(info["has_next"] for info in infos)
-        self.tokens = sum(info["tokens"] for info in infos) or None
+                               None, "attach the Ray Data splits")  # a SplitInfo per worker
+        self.empty = not all(info.has_next for info in infos)
+        self.tokens = sum(info.tokens for info in infos) or None
 
-    def submit(self, after_ok: bool) -> Optional["PendingStep"]:
+    def submit(self, controller: LocalStepSender, after_ok: bool) -> Optional["PendingStep"]:
         """A PendingStep on every worker's next local batch, or None when the splits are empty."""
         if self.empty:
             return None
-        return self.controller.submit_local_step(after_ok=after_ok, tokens=self.tokens)
+        return controller.submit_local_step(after_ok=after_ok, tokens=self.tokens)
 
     def close(self) -> None:
         try:  # best effort: the group may be shut down already

@@ -52,14 +52,13 @@ PIPELINE_DEPTH = 2  # steps in flight: the one running and the one queued behind
 class BatchFeed:
     """fit's source of steps for an iterable of global batches: the driver sends each batch."""
 
-    def __init__(self, controller: Controller, data: Any, skip: int) -> None:
-        self.controller = controller
+    def __init__(self, data: Any, skip: int) -> None:
         self.batches = itertools.islice(iter(data), skip, None)
 
-    def submit(self, after_ok: bool) -> Optional[PendingStep]:
+    def submit(self, controller: Controller, after_ok: bool) -> Optional[PendingStep]:
         """A PendingStep on the next batch, or None when the data has ended."""
         for batch in self.batches:
-            return self.controller.submit_step(batch, after_ok=after_ok, tokens=_tokens(batch))
+            return controller.submit_step(batch, after_ok=after_ok, tokens=_tokens(batch))
         return None
 
     def close(self) -> None:
@@ -74,8 +73,9 @@ def _tokens(batch: Any) -> Optional[int]:
 
 def _feed(controller: Controller, data: Any, batch_size: Optional[int]) -> Union[BatchFeed, RayDataFeed]:
     if is_ray_dataset(data):  # every worker pulls its own split (runtime/data.py)
-        return RayDataFeed(controller, data, batch_size, controller.data_position)
-    return BatchFeed(controller, data, controller.data_position)
+        return RayDataFeed(controller.group, data, batch_size, controller.data_position,
+                           controller.zero.grad_accum_steps)
+    return BatchFeed(data, controller.data_position)
 
 
 def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batch_size: Optional[int],
@@ -133,7 +133,7 @@ def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optio
                 if in_flight and (_saves_after(in_flight[-1].number, ckpt) or
                                   (evaluation is not None and evaluation.due(in_flight[-1].number))):
                     break  # a checkpoint or evaluation waits for its step: nothing may run before it
-                pending = feed.submit(after_ok=bool(in_flight))
+                pending = feed.submit(controller, after_ok=bool(in_flight))
                 if pending is None:
                     ended = True
                     break
@@ -151,8 +151,7 @@ def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optio
                 controller.discard(in_flight)
                 in_flight.clear()
                 return
-            controller.data_position += 1
-            results.append(result)
+            results.append(result)  # the controller counted its batch: data_position moved on
             if bar:
                 if pending.tokens is not None:  # each step's own: batches may change shape between steps
                     bar.tokens_per_step = pending.tokens
@@ -182,5 +181,4 @@ def _settle(controller: Controller, in_flight: Deque[PendingStep], results: List
             controller.discard(in_flight)
             return
         if result is not None:
-            controller.data_position += 1
             results.append(result)

@@ -1,8 +1,11 @@
 """Failure and scaling policies: small objects that return a decision and do nothing else.
 
-The fit loop (fit_loop.py) acts on the decisions; the policies are testable without a cluster
-(tests/unit/test_policy.py). Which errors count as worker failures is decided by
-``worker_group.classify_error``; the policy only counts them.
+The fit loop (fit_loop.py) builds one of each per fit; the Controller acts on their decisions
+(``Controller.recover`` asks the FailurePolicy whether to restart, ``Controller._restart`` asks
+the ScalingPolicy how many workers to restart with). The policies are testable without a
+cluster (tests/unit/test_policy.py). Which errors count as worker failures is decided in
+failures.py (``classify_error``, ``is_worker_failure``), and the Controller passes that verdict
+on (``user_error``); the policy only counts the failures.
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from zeroray.runtime.messages import StepOutput
+
 
 @dataclass
 class StepResult:
@@ -38,9 +40,9 @@ class PendingStep:
     tokens: Optional[int] = None
 
     @staticmethod
-    def combine(results: List[Dict[str, Any]]) -> StepResult:
-        """The StepResult of the workers' per-rank results."""
+    def combine(results: List[StepOutput]) -> StepResult:
+        """The StepResult of the workers' per-rank results (rank order)."""
         r0 = results[0]
-        return StepResult(loss=sum(r["loss"] for r in results) / len(results), grad_norm=r0["grad_norm"],
-                          step=r0["step"], skipped=r0["skipped"], loss_scale=r0["loss_scale"],
-                          step_time_s=max(r["time_s"] for r in results))
+        return StepResult(loss=sum(r.loss for r in results) / len(results), grad_norm=r0.grad_norm,
+                          step=r0.step, skipped=r0.skipped, loss_scale=r0.loss_scale,
+                          step_time_s=max(r.time_s for r in results))

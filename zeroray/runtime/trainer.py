@@ -15,10 +15,12 @@ from zeroray.layout.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
 from zeroray.runtime.code_shipping import ship_by_value
-from zeroray.runtime.controller import Controller, TrainerState
+from zeroray.runtime.controller import Controller
 from zeroray.runtime.fit_eval import FitEvaluation
 from zeroray.runtime.fit_loop import run_fit
+from zeroray.runtime.messages import WorkerSpec
 from zeroray.runtime.step import StepResult
+from zeroray.runtime.trainer_state import TrainerState
 from zeroray.runtime.worker_group import ensure_ray
 
 __all__ = ["Trainer", "StepResult", "TrainerState"]
@@ -63,8 +65,8 @@ class Trainer:
         self.checkpoint_config = checkpoint or CheckpointConfig()
         self.seed = seed
         self.metrics_path = metrics_path
-        spec = {"model_fn": model_fn, "loss_fn": loss_fn, "optimizer": optimizer, "zero": self.zero,
-                "seed": seed, "param_groups": param_groups, "scheduler": scheduler}
+        spec = WorkerSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=optimizer, zero=self.zero, seed=seed,
+                          param_groups=param_groups, scheduler=scheduler)
         ensure_ray(scaling)
         self.controller = Controller(spec, scaling, self.zero)
         # Garbage collection of the Trainer releases its actors and placement group.
@@ -102,7 +104,8 @@ class Trainer:
 
     @data_position.setter
     def data_position(self, value: int) -> None:
-        self.controller.data_position = value
+        """Where the next fit starts in its data (while idle; see Controller.seek)."""
+        self.controller.seek(value)
 
     @property
     def last_recovery_s(self) -> Optional[float]:

@@ -21,6 +21,7 @@ import torch
 
 from zeroray.memory.process import ProcessMemory, current_rss_bytes
 from zeroray.runtime.batch_transport import unpack
+from zeroray.runtime.messages import Hops, SetupInfo, SplitInfo, StepOutput, WorkerSpec
 from zeroray.runtime.sequencer import Sequencer, Ticket
 
 # Concurrency groups of the actor class (worker_group.py passes them to ray.remote): the engine
@@ -56,7 +57,7 @@ class Worker:
         self.group = None
         self._sequencer = Sequencer()
         self._arrived = threading.local()
-        self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/data.py)
+        self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/local_feed.py)
         self.memory = ProcessMemory()  # before the model: the baseline; engine work on one thread
 
     # --- polls: answered at any time, never wait for the engine -------------------------------
@@ -86,44 +87,43 @@ class Worker:
     # --- wiring ----------------------------------------------------------------------------
 
     @engine_call
-    def setup(self, spec: Dict[str, Any], master_addr: str, master_port: int) -> Dict[str, Any]:
+    def setup(self, spec: WorkerSpec, master_addr: str, master_port: int) -> SetupInfo:
         """Join the collective group and build this rank's engine."""
         from zeroray.comm.group import make_torch_group
         from zeroray.engine.engine import Engine
 
-        zero = spec["zero"]
+        zero = spec.zero
         device = "cpu"
         if self.use_gpu:
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
             device = "cuda:0"
         backend = "nccl" if self.use_gpu else "gloo"
         self.group = make_torch_group(backend, self.rank, self.world_size, master_addr, master_port,
-                                      timeout_s=zero.collective_timeout_s, store_prefix=spec.get("group_name", "zr"))
+                                      timeout_s=zero.collective_timeout_s, store_prefix=spec.group_name)
         t0 = time.perf_counter()
-        self.engine = self.memory.build(Engine, spec["model_fn"], spec["loss_fn"], spec["optimizer"], zero,
-                                        self.group, seed=spec["seed"], device=device,
-                                        param_groups=spec.get("param_groups"), scheduler=spec.get("scheduler"))
-        layout, rank = self.engine.state_layout()
-        return {"layout": self.engine.layout.to_dict(), "build_s": time.perf_counter() - t0,
-                "peak_rss_bytes": self.memory.report()["peak_rss_bytes"],
-                # keep_vars: stage 3's trainable parameters hold no values between steps
-                "state_dict_keys": list(self.engine.model.state_dict(keep_vars=True).keys()),
-                "state_layout": (layout.to_dict(), rank)}
+        self.engine = self.memory.build(Engine, spec.model_fn, spec.loss_fn, spec.optimizer, zero,
+                                        self.group, seed=spec.seed, device=device,
+                                        param_groups=spec.param_groups, scheduler=spec.scheduler)
+        state_layout, state_rank = self.engine.state_layout()
+        return SetupInfo(layout=self.engine.layout, state_layout=state_layout, state_rank=state_rank,
+                         # keep_vars: stage 3's trainable parameters hold no values between steps
+                         state_dict_keys=tuple(self.engine.model.state_dict(keep_vars=True).keys()),
+                         build_s=time.perf_counter() - t0, peak_rss_bytes=self.memory.report()["peak_rss_bytes"])
 
     # --- training --------------------------------------------------------------------------
 
     @engine_call
-    def train_step(self, batch: Any) -> Dict[str, Any]:
+    def train_step(self, batch: Any) -> StepOutput:
         """One step on this rank's share of the global batch (a PackedBatch, see batch_transport.py)."""
         return self._step(unpack(batch))
 
-    def _step(self, batch: Any) -> Dict[str, Any]:
+    def _step(self, batch: Any) -> StepOutput:
         t_engine = time.time()
         stats = self.memory.step(self.engine.train_step, batch)
         t_engine_end = time.time()
-        return {"loss": stats.loss, "grad_norm": stats.grad_norm, "step": stats.step, "skipped": stats.skipped,
-                "loss_scale": stats.loss_scale, "time_s": stats.time_s,
-                "hops": {"actor_start": self._arrived.at, "engine_start": t_engine, "engine_end": t_engine_end}}
+        return StepOutput(loss=stats.loss, grad_norm=stats.grad_norm, step=stats.step, skipped=stats.skipped,
+                          loss_scale=stats.loss_scale, time_s=stats.time_s,
+                          hops=Hops(self._arrived.at, t_engine, t_engine_end))
 
     # --- evaluation and inference ([Note: inference calls] in engine/inference.py) --------------------
 
@@ -138,18 +138,18 @@ class Worker:
         result = self.memory.step(self.engine.run, fn, *args)
         return result if self.rank == 0 else None
 
-    # --- Ray Data input (runtime/data.py) ------------------------------------------------------
+    # --- Ray Data input (runtime/local_feed.py; the driver's side: runtime/data.py) -------------
 
     @engine_call
-    def attach_data(self, split: Any, batch_size: int, skip: int, feed_id: str) -> Dict[str, Any]:
+    def attach_data(self, split: Any, batch_size: int, skip: int, feed_id: str) -> SplitInfo:
         """Take this rank's split of a ray.data.Dataset and skip ``skip`` local batches."""
-        from zeroray.runtime.data import LocalFeed
+        from zeroray.runtime.local_feed import LocalFeed
 
         self.feed = LocalFeed(split, batch_size, skip, feed_id)
         return self.feed.peek_info()
 
     @engine_call
-    def train_next(self) -> Optional[Dict[str, Any]]:
+    def train_next(self) -> Optional[StepOutput]:
         """One step on this rank's next local batch; None (no step) when the split has run out."""
         if self.feed is None:
             raise RuntimeError("train_next: no Ray Data split is attached to this worker")

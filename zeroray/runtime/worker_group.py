@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from zeroray.config import ScalingConfig
 from zeroray.runtime.failures import (CollectiveTimeoutError, ErrorKind, PlacementError, WorkerDiedError,
                                       WorkerGroupError, classify_error, first_line, setup_error, worker_error)
+from zeroray.runtime.messages import SetupInfo, WorkerSpec
 from zeroray.runtime.sequencer import Ticket
 from zeroray.runtime.worker import CONCURRENCY_GROUPS, ENGINE_THREADS, Worker
 
@@ -75,13 +76,13 @@ class WorkerGroup:
     the engines. ``wait_all`` collects one call per worker and says who failed and how.
     """
 
-    def __init__(self, spec: Dict[str, Any], num_workers: int, scaling: ScalingConfig) -> None:
+    def __init__(self, spec: WorkerSpec, num_workers: int, scaling: ScalingConfig) -> None:
         self.num_workers = num_workers
         self.pg = None
         self.actors: List[Any] = []
         self.nodes: List[Dict[str, Any]] = []
         self.failed: Optional[str] = None  # why the group was torn down after a failure
-        self.collective_timeout_s = spec["zero"].collective_timeout_s
+        self.collective_timeout_s = spec.zero.collective_timeout_s
         self._next_seq = [0] * num_workers  # per worker: the number of its next engine call
         self._numbering = threading.Lock()  # driver threads (a fit, a report) may call at once
         bundle = {"CPU": scaling.cpus_per_worker}
@@ -114,8 +115,8 @@ class WorkerGroup:
             self.timings["actors_s"] = time.monotonic() - t0 - self.timings["placement_s"]
             master_addr = self.nodes[0]["ip"]
             master_port = ray.get(self.poll("free_port", ranks=[0]))[0]
-            spec = dict(spec, group_name=f"zr-{uuid.uuid4().hex[:8]}")
-            self.setup_info = ray.get(self.call("setup", spec, master_addr, master_port))
+            spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
+            self.setup_info: List[SetupInfo] = ray.get(self.call("setup", spec, master_addr, master_port))
             self.timings["setup_s"] = time.monotonic() - t0 - self.timings["placement_s"] - self.timings["actors_s"]
         except BaseException as error:
             self.shutdown()
