@@ -25,10 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NAMES = {c["id"]: c["name"] for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]}
 CONTRACTS = list(NAMES)
 # The contracts that hold on this branch; the others are expected to fail until their fix is merged.
-PENDING = {
-    "no-cycles": "runtime/data.py imports runtime/controller.py (controller -> worker_group -> worker -> data -> "
-                 "controller) until data.py is split by side (issue 25 item 6)",
-}
+PENDING: dict = {}  # contract id -> why it is expected to fail for now (none)
 
 
 def lint_imports(root: Path, *contracts: str) -> subprocess.CompletedProcess:
