@@ -19,7 +19,7 @@ from zeroray.comm.group import SoloGroup
 from zeroray.engine.engine import Engine, _adopt_kept_arena
 from zeroray.layout.local_shard import LocalShard
 from zeroray.engine.optim import build_segments
-from zeroray.memory.process import ProcessMemory
+from zeroray.memory.process import HEAP_THRESHOLD, ProcessMemory
 from zeroray.construct.sharded_init import build_sharded
 
 CFG = gpt.GPTConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16)
@@ -191,8 +191,9 @@ def test_the_fixed_mmap_threshold_returns_freed_blocks():
 # allocates a unit's buffer) or outside it (as activations are).
 _MAPPED = """
 import contextlib, json, sys, torch
-from zeroray.memory.process import MappedBlocks, current_rss_bytes
+from zeroray.memory.process import HEAP_THRESHOLD, MappedBlocks, current_rss_bytes
 blocks = MappedBlocks()
+n = HEAP_THRESHOLD // 8  # float32 blocks of half the threshold: the heap's, outside mapped()
 ctx = blocks.mapped if sys.argv[1] == "inside" else contextlib.nullcontext
 def step():
     del_me = torch.ones(2**23)  # 32 MiB
@@ -200,7 +201,7 @@ def step():
     before, kept = current_rss_bytes(), []
     for i in range(40):
         with ctx():
-            t = torch.ones(2**21)  # 8 MiB
+            t = torch.ones(n)
         if i % 2:
             kept.append(t)
     return blocks.active, current_rss_bytes() - before, sum(t.numel() * t.element_size() for t in kept)
@@ -221,6 +222,6 @@ def test_mapped_blocks_return_only_unit_buffers_to_the_os():
                              check=True, timeout=120)
         grew[where] = json.loads(out.stdout.strip().splitlines()[-1])
     (active, inside, kept), (_, outside, _) = grew["inside"], grew["outside"]
-    assert active and kept == 20 * 2**23
-    assert inside < kept + 16 * 2**20, grew
-    assert outside > kept + 64 * 2**20, grew  # the heap still serves (and keeps) the rest
+    assert active and kept == 20 * HEAP_THRESHOLD // 2
+    assert inside < kept + 4 * HEAP_THRESHOLD // 2, grew
+    assert outside > kept + 8 * HEAP_THRESHOLD // 2, grew  # the heap still serves (and keeps) the rest

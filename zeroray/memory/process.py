@@ -25,9 +25,10 @@ each one measured (``benchmarks/memory_rss.py``).
   the holes step after step. Stage 3's unit buffers, gathered and freed between the
   activations several times a step, left more: its peak RSS stood a few hundred MB above the
   bytes in use, and the saving against stage 0 fell to 85-89% of the formula. So at stage 3
-  only the unit buffers are mapped (``MappedBlocks``: the threshold is lowered around their
-  allocation and fixed at glibc's own ceiling otherwise, where the dynamic one would rise to),
-  and their memory goes back to the OS the moment a unit is freed. Fixing the threshold low
+  the unit buffers are mapped (``MappedBlocks``: the threshold is lowered around their
+  allocation), and their memory goes back to the OS the moment a unit is freed; outside them
+  the threshold is fixed at ``HEAP_THRESHOLD``, so only the largest activations are mapped
+  too, and the rest reuse the heap's pages step after step as at stages 0-2. Fixing the threshold low
   for the whole process did the same for memory but faulted every activation in afresh each
   step (kernel-zeroed pages): 40% slower steps on a 3M-parameter model; ``ProcessMemory``
   keeps that as an option (``mmap_threshold``), off by default.
@@ -77,7 +78,11 @@ def reset_peak() -> bool:
 
 
 MMAP_THRESHOLD = 1 << 20  # bytes: smaller blocks (Python objects, small tensors) stay in the heap
-HEAP_THRESHOLD = 32 << 20  # glibc's ceiling for the threshold it raises itself (64-bit DEFAULT_MMAP_THRESHOLD_MAX)
+# Stage 3's threshold outside MappedBlocks.mapped(): blocks this large (the largest activations)
+# are mappings too. glibc's dynamic threshold climbs towards 32 MiB, its ceiling; fixed that
+# high, stage 3 kept holes of the 8-32 MiB blocks it frees between unit gathers
+# (benchmarks/README.md, "Any model": the sizes tried and what each kept).
+HEAP_THRESHOLD = 8 << 20
 MAPPED_THRESHOLD = 128 << 10  # glibc's initial threshold: a unit's buffer smaller than this stays in the heap
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
@@ -99,8 +104,8 @@ def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
 
 class MappedBlocks:
     """Stage 3's unit buffers as mappings of their own ([Note: process memory]): what is
-    allocated inside ``mapped()`` goes back to the OS when freed, everything else comes from
-    the heap as glibc's raised threshold would serve it. Process-wide, like the allocator it
+    allocated inside ``mapped()`` goes back to the OS when freed; outside it, blocks under
+    ``HEAP_THRESHOLD`` come from the heap. Process-wide, like the allocator it
     tunes; does nothing where glibc's ``mallopt`` is not there (then ``active`` is False)."""
 
     def __init__(self) -> None:
