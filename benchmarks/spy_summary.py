@@ -1,7 +1,7 @@
 """Shares of Engine.train_step on the worker's compute thread in a spy_worker.py profile, by phase."""
 import sys,collections
 path, label = sys.argv[1], sys.argv[2]
-CATS=[('forward (loss_fn)','lm_loss'),('backward (run_backward, incl. grad hooks)','_engine_run_backward'),('grad hooks: Engine._grad_ready -> GradBuckets.add_grad','_grad_ready'),
+CATS=[('forward (loss_fn)','lm_loss'),('backward (run_backward, incl. grad hooks)','_engine_run_backward'),('grad hooks: GradIntake._grad_ready -> GradBuckets.add_grad','_grad_ready'),
 ('ParameterAccess.__torch_function__ (cumulative, includes the op it runs)','fetch/access.py'),('  of which Python overhead (leaf in fetch/access.py other than the op line, on_access)','@@'),
 ('GradBuckets.finish (waiting for the reductions after backward)','GradBuckets.finish'),('GradBuckets._acquire waiting mid-backward','GradBuckets._acquire'),('status all-reduce (Engine._status)','Engine._status'),('optimizer (ShardedOptimizer.step)','ShardedOptimizer.step'),('publish (Engine._publish)','Engine._publish'),('fetch waits (Units.wait)','Units.wait')]
 c=collections.Counter(); step=0; cat=collections.Counter()

@@ -39,7 +39,7 @@ GAPS = {
     "unused": ("a parameter no rank used in a step still moves (zeroray gives it a zero gradient; PyTorch "
                "and DDP leave .grad None and the optimizer skips it); and at stages 0-1 with accumulation the "
                "gradient of a parameter a worker used in an earlier micro-batch but not in its last is lost",
-               "fixed: zeroray/engine/flat_pieces.py, Engine._reduce_accumulated"),
+               "fixed: zeroray/engine/flat_pieces.py, GradIntake.reduce_accumulated"),
     "varshape": ("batches whose row shapes change between steps are refused ('the batch structure changed')",
                  "fixed: checks removed"),
     "eval": ("no evaluation/inference calls on the engine (Engine.evaluate, Engine.run)", "fixed: zeroray/engine/inference.py"),

@@ -71,7 +71,8 @@ def _port(rank: int, index: int, out_dir: str) -> int:
 def _run_case(rank: int, case: Case, index: int, out_dir: str) -> dict:
     import zeroray as zr
     from zeroray.comm.group import make_torch_group
-    from zeroray.engine.engine import Engine, split_batch
+    from zeroray.engine.batch import split_batch
+    from zeroray.engine.engine import Engine
 
     world = case.config.world
     port = _port(rank, index, out_dir) if world > 1 else 0

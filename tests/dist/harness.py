@@ -9,7 +9,8 @@ import torch
 import torch.multiprocessing as mp
 
 from zeroray.comm.group import free_port, make_torch_group
-from zeroray.engine.engine import Engine, split_batch
+from zeroray.engine.batch import split_batch
+from zeroray.engine.engine import Engine
 from zeroray.memory.report import live_tensor_bytes, measure
 
 

@@ -23,7 +23,7 @@ from tests.dist.test_engine_parity import assert_parity, global_losses
 from tests.experts import expert_batches, experts_model, unused_in
 from tests.models import lm_loss
 from zeroray.comm.group import free_port
-from zeroray.engine.engine import split_batch
+from zeroray.engine.batch import split_batch
 
 STEPS = 6
 ADAMW = dict(lr=1e-2, weight_decay=0.1)

@@ -11,7 +11,7 @@ import torch.nn as nn
 import zeroray as zr
 from tests.models import VOCAB, lm_loss, make_batches, parity_model
 from tests.ray.test_shutdown import assert_released, live_actors, live_placement_groups
-from zeroray.engine.engine import StepError
+from zeroray.errors import StepError
 from zeroray.runtime.failures import WorkerSetupError
 
 TABLE = []

@@ -16,7 +16,8 @@ import zeroray as zr
 from examples import gpt
 from zeroray.layout.arena import FlatLayout
 from zeroray.comm.group import SoloGroup
-from zeroray.engine.engine import Engine, _adopt_kept_arena
+from zeroray.engine.engine import Engine
+from zeroray.engine.initial_values import adopt_kept_arena
 from zeroray.layout.local_shard import LocalShard
 from zeroray.engine.optim import build_segments
 from zeroray.memory.process import HEAP_THRESHOLD, ProcessMemory
@@ -66,7 +67,7 @@ def test_the_sharded_build_arena_is_adopted_as_the_master():
     built = build_sharded(functools.partial(gpt.GPT, CFG), 0, world, rank)
     assert built is not None
     _, layout, kept = built
-    shard = _adopt_kept_arena(layout, kept, rank, torch.device("cpu"))
+    shard = adopt_kept_arena(layout, kept, rank, torch.device("cpu"))
     assert shard is not None and shard.numel() == layout.shard_numel
     for name, (lo, hi, values) in kept.items():
         piece, lo2, hi2 = layout.param_shard_view(shard, name, rank)

@@ -10,7 +10,7 @@ Before the fixes:
   micro-batch and the buckets take them from the post-accumulate hook, which does not fire
   for a parameter the last micro-batch does not use; its ``.grad`` then stayed set and was
   added into the next step's (loss off by 1e-3..1e-2 from step 1, parameters by 4e-2). Fixed
-  by Engine._reduce_accumulated;
+  by GradIntake.reduce_accumulated;
 - stage 3 on one worker raised UnrecoverableDivergence ("worker 0 left the step's prefetch
   plan ... over NCCL the workers cannot negotiate"): SoloGroup said its channels were not
   independent, which is about NCCL's single stream, not about a group of one.

@@ -2,7 +2,7 @@
 import pytest
 import ray.exceptions as rex
 
-from zeroray.engine.engine import StepError
+from zeroray.errors import StepError
 from zeroray.errors import CollectiveError, PeerStepError
 from zeroray.runtime.failures import (CollectiveTimeoutError, ErrorKind, WorkerDiedError, WorkerError,
                                       WorkerGroupError, WorkerTraceback, classify_error, is_worker_failure,

@@ -25,7 +25,7 @@ and backward never waits for a peer's progress through an earlier bucket. A fixe
 as DDP's), so that a reduction starts early in backward.
 
 In a negotiated stage-3 step (fetch/negotiate.py) over a backend without independent channels
-(NCCL), ``hold=True`` keeps every launch for ``finish``, after the agreement rounds, so the
+(NCCL), ``hold_until_finish`` keeps every launch for ``finish``, after the agreement rounds, so the
 reductions never interleave with the rounds' gathers in one stream of collectives.
 
 The plan itself (comm/bucket_plan.py) may end a bucket early, after a unit whose successor's
@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -72,7 +72,9 @@ class GradBuckets:
 
     def __init__(self, layout: FlatLayout, group: Group, target: torch.Tensor, *,
                  mode: ReduceMode, bucket_bytes: int, dtype: torch.dtype, unit_order: Sequence[int],
-                 timed: bool = False) -> None:
+                 timed: bool = False, wait: Optional[Callable] = None) -> None:
+        """``wait``: how a reduction is waited for (the engine's polling waiter, comm/waiter.py;
+        by default the handle's own wait)."""
         assert isinstance(mode, ReduceMode), mode
         self.layout, self.group, self.target, self.mode, self.dtype = layout, group, target, mode, dtype
         self.rows = group.world_size if mode is ReduceMode.REDUCE_SCATTER else 1
@@ -84,9 +86,9 @@ class GradBuckets:
         self._free: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.pool_size = 0
         self._buf_numel = 0     # columns the pooled buffers were allocated for
-        self.hold = False       # see the module docstring
+        self._hold = False      # launches wait for finish: hold_until_finish
         self.accepting = True   # this backward's gradients go through the buckets (else autograd keeps them)
-        self.wait = _plain_wait  # the engine's polling waiter (comm/waiter.py)
+        self.wait = wait if wait is not None else _plain_wait
         self.last_timeline: Optional[Timeline] = None  # of the last finished backward
         self._stats = _new_stats()
         self._bufs: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -151,7 +153,12 @@ class GradBuckets:
     def begin_backward(self, accepting: bool) -> None:
         """Before a micro-batch: reduce its gradients (``accepting``) or leave them to autograd;
         launch as buckets fill until a negotiated fetch says to hold them."""
-        self.accepting, self.hold = accepting, False
+        self.accepting, self._hold = accepting, False
+
+    def hold_until_finish(self) -> None:
+        """Keep this backward's launches for ``finish`` (a negotiated stage-3 micro-batch without
+        independent channels: see the module docstring)."""
+        self._hold = True
 
     def _reset(self) -> None:
         self._pending = [b.num_params for b in self.buckets]
@@ -225,7 +232,7 @@ class GradBuckets:
             self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
-        if self.hold and not force:
+        if self._hold and not force:
             return
         while self._next_launch < len(self.buckets) and (force or self._pending[self._next_launch] == 0):
             b = self._next_launch

@@ -55,7 +55,10 @@ class GatherHandle:
 class UnitGatherer:
     MAX_STAGING = 2  # coalesced gathers in flight at once; more wait for the oldest to finish
 
-    def __init__(self, layout: FlatLayout, group: Group, shard: LocalShard, bucket_bytes: int) -> None:
+    def __init__(self, layout: FlatLayout, group: Group, shard: LocalShard, bucket_bytes: int, *,
+                 wait: Optional[Callable[[GatherHandle], None]] = None) -> None:
+        """``wait``: how a gather is waited for (the engine's polling waiter, comm/waiter.py; by
+        default the handle's own wait)."""
         self.layout, self.group, self.shard = layout, group, shard  # compute dtype
         self.bucket_bytes = bucket_bytes
         self._free: List[torch.Tensor] = []
@@ -64,7 +67,7 @@ class UnitGatherer:
         self._pool_bytes = 0
         self._staging_numel = 0  # grows to the largest coalesced group, which is <= bucket_bytes
         self._discard: Optional[torch.Tensor] = None  # target of gathers this rank does not need
-        self.wait: Callable[[GatherHandle], None] = lambda handle: handle.wait()  # the engine's polling waiter
+        self.wait: Callable[[GatherHandle], None] = wait if wait is not None else GatherHandle.wait
 
     def coalesce(self, units: Sequence[int]) -> List[List[int]]:
         """Split units (in issue order) into groups gathered by one collective each."""

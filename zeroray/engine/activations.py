@@ -120,3 +120,21 @@ def apply_checkpointing(targets: Sequence, offload: bool, tracker: Optional[Acti
         module.forward = forward
 
     return restorer(originals)
+
+
+def track_activations(model: torch.nn.Module, units, spec: Union[bool, Tuple[type, ...]], offload: bool,
+                      coordinator=None) -> Tuple[ActivationTracker, Callable[[], None]]:
+    """The tracker of the model's saved activations and the checkpointing of ``spec``'s modules
+    (with the function that undoes it). ``coordinator``: stage 3's, which tags saved views of
+    its units (pack/unpack) and fetches a checkpointed module's own units in recomputation;
+    None where every unit persists (units: fetch/unit.py)."""
+    if units.persistent:
+        arena_ptr = units.arena.untyped_storage().data_ptr()
+        is_param = lambda ptr: ptr == arena_ptr  # noqa: E731
+    else:
+        is_param = lambda ptr: units.unit_at(ptr) is not None  # noqa: E731
+    tracker = ActivationTracker(is_param, inner=coordinator)
+    restore = apply_checkpointing(checkpoint_targets(model, spec), offload, tracker,
+                                  enter=coordinator.enter_module if coordinator else None,
+                                  exit=coordinator.exit_module if coordinator else None)
+    return tracker, restore

@@ -35,23 +35,44 @@ import torch
 
 from zeroray.comm.group import Group
 from zeroray.comm.waiter import Waiter
-from zeroray.fetch.coordinator import FetchCoordinator
+from zeroray.engine.batch import to_device
+from zeroray.errors import CollectiveError, PeerStepError
+
+
+def run_call(model: torch.nn.Module, coordinator, group: Group, waiter: Waiter, device: torch.device,
+             fn: Callable, *args: Any) -> Any:
+    """``fn(model, *args)`` in an inference call, its result on the CPU; every rank returns, or
+    every rank raises ([Note: inference calls]). Collective."""
+    result, failure = None, None
+    try:
+        with inference_call(model, coordinator):
+            result = to_cpu(fn(model, *to_device(args, device)))
+    except CollectiveError:
+        raise  # the group is broken: the runtime rebuilds it
+    except Exception as error:  # noqa: BLE001 - every rank raises together, as a step does
+        failure = error
+    failed = failed_ranks(group, waiter, failure is not None, device)
+    if failure is not None:
+        raise failure
+    if failed:
+        raise PeerStepError(f"worker(s) {failed} raised an error in an evaluate/run call (their own error says "
+                            "why); this worker's part of it was dropped", failed)
+    return result
 
 
 @contextlib.contextmanager
-def inference_call(model: torch.nn.Module, coordinator: Optional[FetchCoordinator]) -> Iterator[None]:
-    """The context of an evaluate/run call; see [Note: inference calls]. Collective at stage 3."""
+def inference_call(model: torch.nn.Module, coordinator) -> Iterator[None]:
+    """The context of an evaluate/run call; see [Note: inference calls]. Collective at stage 3.
+    ``coordinator``: the engine's (engine/coordination.py; stage 0's does nothing)."""
     was_training = model.training
-    if coordinator is not None:
-        coordinator.begin_inference()
+    coordinator.begin_inference()
     try:
         model.eval()
         with torch.no_grad():
             yield
     finally:
         try:
-            if coordinator is not None:
-                coordinator.end_inference()
+            coordinator.end_inference()
         finally:
             model.train(was_training)
 

@@ -74,6 +74,20 @@ class LossScaler:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
+def local_spans(param_spans: Dict[str, Tuple[int, int]], named: Dict[str, torch.nn.Parameter],
+                param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]]) -> List[Tuple[int, int, dict]]:
+    """(start, end, overrides) of each parameter's piece in the master tensor, in order:
+    ``param_spans`` with what ``param_groups(name, param)`` overrides for it."""
+    spans = []
+    for name, (start, end) in param_spans.items():
+        overrides = dict(param_groups(name, named[name]) or {}) if param_groups else {}
+        if "params" in overrides:
+            raise ValueError(f"param_groups({name!r}) returned a 'params' key: return only the "
+                             "overrides (lr, weight_decay, ...) for that parameter")
+        spans.append((start, end, overrides))
+    return spans
+
+
 def build_segments(spans: Sequence[Tuple[int, int, Dict[str, Any]]], total: int,
                    breaks: Sequence[int] = ()) -> List[Segment]:
     """Merge consecutive local spans with equal overrides; padding joins its neighbour. No

@@ -136,6 +136,17 @@ class Units:
                 if not self.persistent:
                     unit.free()  # the local shard holds the values; one unit at a time
 
+    def expect_grads(self) -> None:
+        """Before a backward: every unit awaits a gradient for each of its parameters."""
+        for unit in self.units:
+            unit.grads_pending = len(unit.spec.params)
+
+    def grad_arrived(self, index: int) -> bool:
+        """One gradient of unit ``index`` reached the reducer; True once it was the unit's last."""
+        unit = self.units[index]
+        unit.grads_pending -= 1
+        return unit.grads_pending == 0
+
     # --- stage 3: buffers that come and go ------------------------------------------------
 
     def alloc(self, index: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ the worker's resident memory broken down around them.
 
 Counts the bytes of the tensors the engine holds (not the allocator's view), so the figures
 are exact and comparable with zeroray.memory.model's formulas. See [Note: stage data flow] in
-engine/engine.py for which tensors exist at which stage.
+engine/storage.py for which tensors exist at which stage.
 
 [Note: RSS breakdown]
 Given the process's phase figures (memory/process.py), ``measure`` also cuts the worker's
@@ -136,7 +136,7 @@ def _optimizer_for_estimate(engine) -> Any:
 def expected_model_state(engine) -> Dict[str, int]:
     """zeroray.memory.model's formulas for this engine's configuration: the paper's per-stage model
     (see [Note: model states] in memory/model.py) on the engine's padded layout, with zeroray's
-    documented deviations from the paper ([Note: stage data flow] in engine/engine.py):
+    documented deviations from the paper ([Note: stage data flow] in engine/storage.py):
 
     - padding: every unit is padded to a multiple of the world size (layout/arena.py), so the
       replicated terms count ``layout.full_numel`` and the sharded ones ``full_numel / W``;

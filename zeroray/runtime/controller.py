@@ -47,7 +47,7 @@ import ray
 
 from zeroray.layout.arena import FlatLayout
 from zeroray.config import ScalingConfig, ZeroConfig
-from zeroray.engine.engine import batch_size, split_batch
+from zeroray.engine.batch import batch_size, split_batch
 from zeroray.runtime.batch_transport import PackedBatch
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.data import evaluation_batches

@@ -1,0 +1,210 @@
+"""The engine's storage of one stage family: the units, the fp32 master, the fp32 gradient, the
+local parameter shard and its gatherer, and everything that depends on where they live.
+
+[Note: stage data flow]
+Tensors per rank (Φ trainable elements, W workers, "shard" = ``layout.shard_numel``):
+
+stage | full params (compute dtype)     | local param shard          | fp32 grad    | fp32 master + optimizer
+0     | persistent arena                | -                          | full         | full
+1, 2  | persistent arena                | the arena's rows (no copy) | shard        | shard
+3     | per unit, gathered on demand    | shard                      | shard        | shard
+
+At stages 1-2 the local shard is this rank's rows of the arena ([Note: local shard] in
+layout/local_shard.py): the gather source, updated in place. In fp32 the master is the parameter
+tensor itself (those rows at stages 1-2, the local shard at stage 3, the arena at stage 0):
+no copy; in mixed precision it is a contiguous fp32 shard. Gradients leave autograd
+through a post-accumulate hook and go straight into the coalescing buckets
+(comm/buckets.py), which all-reduce (stage 0) or reduce-scatter (stages 1-3) them into the
+fp32 gradient. Stages 0 and 1 with gradient accumulation let autograd accumulate full
+gradients locally and reduce once, on the last micro-batch (also those of parameters that
+micro-batch did not use); stages 2 and 3 reduce-scatter
+every micro-batch into the fp32 shard, so the accumulated gradient only ever exists as the
+owner's shard ([Note: stage policy]).
+
+Two families, chosen once by ``build_storage``; the engine asks the storage and never tests
+the stage:
+
+- ``ReplicatedStorage`` (stage 0): master and gradient full-size, in full coordinates; no
+  parameter shard, no gatherer. Checkpoints hold every stage in shard coordinates, so its
+  state conversions cut this rank's shard out of the full tensors (export) and lay a
+  world-size-1 shard back out in full coordinates (import).
+- ``ShardedStorage`` (stages 1-3): master and gradient in this rank's shard coordinates, the
+  checkpoint's own; the parameter shard is the arena's rows (stages 1-2, whose publish then
+  gathers the units from them) or a shard of its own (stage 3, gathered on demand).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+from zeroray.comm.gather import UnitGatherer
+from zeroray.comm.group import Group
+from zeroray.engine.initial_values import Kept, initial_shard
+from zeroray.fetch.unit import Units
+from zeroray.layout.arena import FlatLayout
+from zeroray.layout.local_shard import LocalShard
+from zeroray.layout.stage import StagePolicy
+from zeroray.memory.process import MappedBlocks
+
+
+class ReplicatedStorage:
+    """Stage 0: the full fp32 master (the arena itself in fp32) and the full fp32 gradient."""
+
+    param_shard: Optional[LocalShard] = None
+    gatherer: Optional[UnitGatherer] = None
+
+    def __init__(self, layout: FlatLayout, units: Units, rank: int) -> None:
+        self.layout, self.units, self.rank = layout, units, rank
+        arena = units.arena
+        self.cast = arena.dtype != torch.float32  # the master is a copy: publishing casts it back
+        self.master = LocalShard.contiguous(arena.float() if self.cast else arena)                  # 1D full fp32
+        self.grad = torch.zeros(layout.full_numel, dtype=torch.float32, device=arena.device)  # 1D full
+        # Every rank holds the same full reduced gradient: only rank 0 counts it in the global norm.
+        self.counts_norm = rank == 0
+
+    def param_spans(self) -> Dict[str, Tuple[int, int]]:
+        """[start, end) of each parameter's piece in the master, in order: all of each one."""
+        spans = {}
+        for name in self.layout.param_names:
+            start = self._full_start(name)
+            spans[name] = (start, start + self.layout.slots[name].numel)
+        return spans
+
+    def master_piece(self, name: str) -> Tuple[int, int, torch.Tensor]:
+        """(lo, hi, fp32 values) of parameter ``name``'s flat elements this rank reports: rank 0
+        all of them, the others none (they hold the same)."""
+        if self.rank != 0:
+            return 0, 0, torch.empty(0)
+        start, numel = self._full_start(name), self.layout.slots[name].numel
+        return 0, numel, self.master[start:start + numel].detach().cpu().clone()
+
+    def master_shard(self) -> torch.Tensor:
+        """The fp32 master in this rank's shard coordinates (on the CPU)."""
+        return self.to_shard(self.master.as_tensor().detach())
+
+    def to_shard(self, full: torch.Tensor) -> torch.Tensor:
+        """A full-size tensor cut to this rank's shard coordinates, those of every checkpoint."""
+        out = torch.zeros(self.layout.shard_numel, dtype=torch.float32)
+        for unit in self.layout.units:
+            lo, hi = unit.rank_range(self.rank)
+            out[unit.shard_offset:unit.shard_offset + hi - lo] = full[unit.full_offset + lo:unit.full_offset + hi].cpu()
+        return out
+
+    def exported(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The optimizer's flat tensors in shard coordinates."""
+        return {k: self.to_shard(v) for k, v in tensors.items()}
+
+    def state_layout(self) -> Tuple[FlatLayout, int]:
+        """The (layout, rank) whose shard coordinates ``imported`` takes: everything, as one rank."""
+        return self.layout.with_world_size(1), 0
+
+    def imported(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Tensors in ``state_layout()`` coordinates laid out in the master's full coordinates."""
+        single = self.layout.with_world_size(1)
+        full = {}
+        for key, flat in tensors.items():
+            out = torch.zeros(self.layout.full_numel, dtype=torch.float32)
+            for unit, one in zip(self.layout.units, single.units):
+                out[unit.full_offset:unit.full_offset + unit.numel] = flat[one.shard_offset:one.shard_offset + one.numel]
+            full[key] = out
+        return full
+
+    def publish(self, coordinator) -> None:
+        """Make the updated master visible to compute: in mixed precision, cast into the arena."""
+        if self.cast:
+            with torch.no_grad():
+                self.units.arena.copy_(self.master.as_tensor())
+
+    def _full_start(self, name: str) -> int:
+        slot = self.layout.slots[name]
+        return self.layout.units[slot.unit].full_offset + slot.offset
+
+
+class ShardedStorage:
+    """Stages 1-3: the fp32 master and gradient of this rank's shard, and the parameter shard
+    the units are gathered from (``gatherer``). ``publish_gathers``: a publish starts gathering
+    every unit (stages 1-2, whose units persist); stage 3 gathers each where it is needed."""
+
+    counts_norm = True  # each rank's gradient shard is its own part of the norm
+
+    def __init__(self, layout: FlatLayout, units: Units, rank: int, master: LocalShard, param_shard: LocalShard,
+                 gatherer: UnitGatherer, *, publish_gathers: bool) -> None:
+        self.layout, self.units, self.rank = layout, units, rank
+        self.master, self.param_shard, self.gatherer = master, param_shard, gatherer
+        self.cast = param_shard is not master  # mixed precision: the parameter shard is a cast copy
+        self.publish_gathers = publish_gathers
+        self.grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=master.device)  # 1D shard
+
+    def param_spans(self) -> Dict[str, Tuple[int, int]]:
+        """[start, end) of each parameter's piece in the master, in order (the pieces this rank holds)."""
+        spans = {}
+        for name in self.layout.param_names:
+            start, lo, hi = self.layout.param_shard_range(name, self.rank)
+            if hi > lo:
+                spans[name] = (start, start + hi - lo)
+        return spans
+
+    def master_piece(self, name: str) -> Tuple[int, int, torch.Tensor]:
+        """(lo, hi, fp32 values) of parameter ``name``'s flat elements held by this rank."""
+        piece, lo, hi = self.layout.param_shard_view(self.master, name, self.rank)
+        return lo, hi, piece.detach().cpu().clone()
+
+    def master_shard(self) -> torch.Tensor:
+        """The fp32 master in this rank's shard coordinates (on the CPU)."""
+        return self.master.cpu()
+
+    def exported(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The optimizer's flat tensors, already in shard coordinates."""
+        return tensors
+
+    def state_layout(self) -> Tuple[FlatLayout, int]:
+        """The (layout, rank) whose shard coordinates ``imported`` takes: this rank's own."""
+        return self.layout, self.rank
+
+    def imported(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        return tensors
+
+    def publish(self, coordinator) -> None:
+        """Make the updated master visible to compute: cast it into the parameter shard (mixed
+        precision) and, at stages 1-2, start the gathers ([Note: deferred publish] in
+        fetch/coordinator.py)."""
+        with torch.no_grad():
+            if self.cast:
+                self.param_shard.copy_(self.master)
+            if self.publish_gathers:
+                coordinator.publish()
+
+
+Storage = Union[ReplicatedStorage, ShardedStorage]  # the two families; build_storage picks one
+
+
+def build_storage(policy: StagePolicy, layout: FlatLayout, named: Dict[str, torch.nn.Parameter], kept: Kept,
+                  group: Group, *, dtype: torch.dtype, device: torch.device, bucket_bytes: int,
+                  wait: Callable) -> Storage:
+    """The units (the model's parameters bound to their buffers) and the storage of ``policy``'s
+    family; every tensor the step needs that the optimizer does not allocate itself. ``kept``:
+    the slices a sharded build kept (construct/sharded_init.py), else None. ``wait``: the
+    engine's polling waiter, for the gatherer."""
+    fp32, rank = dtype == torch.float32, group.rank
+    # The fp32 initial values of the rank's shard, taken before bind rebinds the parameters:
+    # the master of stage 3 and of mixed precision at stages 1-2. fp32 stages 0-2 need none,
+    # their master is the arena itself or its rows ([Note: local shard] in layout/local_shard.py).
+    init = None
+    if policy.reshard_after_use or (policy.keeps_param_shard and not fp32):
+        init = initial_shard(layout, named, kept, rank, device)
+    # Stage 3 on CPU: unit buffers off the heap ([Note: process memory] in memory/process.py).
+    mapped = MappedBlocks().mapped if policy.reshard_after_use and torch.device(device).type == "cpu" else None
+    units = Units(layout, dtype, device, persistent=not policy.reshard_after_use, mapped=mapped)
+    units.bind(named, copy_values=kept is None)
+    if not policy.keeps_param_shard:
+        return ReplicatedStorage(layout, units, rank)
+    if not policy.reshard_after_use:  # stages 1-2: the shard is the arena's rows
+        param_shard = LocalShard.arena_rows(layout, units.arena, rank)
+        master = param_shard if fp32 else LocalShard.contiguous(init)
+    else:  # stage 3: a shard of its own
+        master = LocalShard.contiguous(init)
+        param_shard = master if fp32 else LocalShard.contiguous(init.to(dtype))
+    gatherer = UnitGatherer(layout, group, param_shard, bucket_bytes, wait=wait)
+    return ShardedStorage(layout, units, rank, master, param_shard, gatherer,
+                          publish_gathers=not policy.reshard_after_use)
