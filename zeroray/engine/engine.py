@@ -56,6 +56,8 @@ from zeroray.config import ZeroConfig, validate_optimizer
 from zeroray.context import with_worker_context
 from zeroray.errors import CollectiveError, PeerStepError, StepError
 from zeroray.fetch.coordinator import FetchCoordinator
+from zeroray.fetch.factory import build_coordinator
+from zeroray.fetch.hooks import HookedModules
 from zeroray.engine.inference import evaluation, failed_ranks, inference_call, to_cpu
 from zeroray.layout.local_shard import LocalShard
 from zeroray.memory.process import MappedBlocks
@@ -271,22 +273,12 @@ class Engine:
         return modules, names, needs
 
     def _build_coordinator(self, named: Dict[str, torch.nn.Parameter]) -> None:
-        modules, names, needs = self._hooked_modules()
-        z = self.zero
-        self.coordinator = FetchCoordinator(
-            self.units, self.gatherer, self.group, self.waiter, modules, names, needs,
-            reshard=self.policy.reshard_after_use, prefetch=z.prefetch, prefetch_bytes=z.prefetch_bytes,
-            max_live_bytes=z.max_live_bytes, reuse_distance=z.reuse_distance)
-        self.coordinator.on_negotiate = self._reduce_for_negotiation
-        self.coordinator.before_done_rounds = self._launch_before_rounds
         self.gatherer.wait = self.waiter
-        trainable = {n: named[n] for n in self.layout.param_names}
-        self.access = ParameterAccess(trainable, {n: self.layout.slots[n].unit for n in trainable},
-                                      self.coordinator.on_access)
-        if self.policy.reshard_after_use:
-            self.access.install()
-        else:  # stages 1-2: only while a publish is in flight ([Note: reads during a publish] in fetch/coordinator.py)
-            self.coordinator.on_publish, self.coordinator.on_resident = self.access.install, self.access.suspend
+        self.coordinator = build_coordinator(
+            self.policy, self.zero, self.units, self.gatherer, self.group, self.waiter,
+            HookedModules(*self._hooked_modules()), {n: named[n] for n in self.layout.param_names},
+            on_negotiate=self._reduce_for_negotiation, before_done_rounds=self._launch_before_rounds)
+        self.access = self.coordinator.access  # installed by the coordinator ([Note: parameter access])
 
     def _reduce_for_negotiation(self) -> None:
         """Without independent channels a negotiated micro-batch reduces after its rounds (comm/buckets.py)."""

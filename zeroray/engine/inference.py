@@ -9,9 +9,9 @@ is touched: no gradient, no optimizer state, no step count, no random numbers be
 the user's code draws, and stage 3's trace is not re-recorded (the next step follows the same
 schedule as if the call had not happened).
 
-How each stage provides the parameters during the call (fetch/coordinator.py, ``begin_inference``):
+How each stage provides the parameters during the call (the coordinator's ``begin_inference``):
 stage 0 holds them; stages 1-2 wait for the gathers that published the last update
-(PERSISTENT mode); stage 3 negotiates every fetch ([Note: negotiated fetch] in fetch/negotiate.py)
+(fetch/publish.py); stage 3 negotiates every fetch ([Note: negotiated fetch] in fetch/negotiate.py)
 under a call id of its own. Negotiation, not a trace, because an inference call's ranks need
 not run the same modules the same number of times: ``generate`` stops at a different length
 on each rank, a rank may have nothing to do. A rank that has finished (or raised) keeps
@@ -35,11 +35,11 @@ import torch
 
 from zeroray.comm.group import Group
 from zeroray.comm.waiter import Waiter
-from zeroray.fetch.coordinator import FetchCoordinator
+from zeroray.fetch.factory import Coordinator
 
 
 @contextlib.contextmanager
-def inference_call(model: torch.nn.Module, coordinator: Optional[FetchCoordinator]) -> Iterator[None]:
+def inference_call(model: torch.nn.Module, coordinator: Optional[Coordinator]) -> Iterator[None]:
     """The context of an evaluate/run call; see [Note: inference calls]. Collective at stage 3."""
     was_training = model.training
     if coordinator is not None:
