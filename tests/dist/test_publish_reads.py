@@ -1,5 +1,5 @@
 """Stages 1-2 see parameter reads only while a publish is in flight ([Note: reads during a
-publish] in fetch/coordinator.py): the access class is on from the publish until every unit's gather was
+publish] in fetch/publish.py): the access class is on from the publish until every unit's gather was
 waited for, and a read made before forward (an L2 penalty first in loss_fn) still waits for
 the update it reads, on 2 workers, in parity with single-process PyTorch."""
 import torch

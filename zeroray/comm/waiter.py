@@ -13,6 +13,10 @@ from typing import Callable, Optional
 
 
 class Waiter:
+    """The engine's one way to wait for a collective. ``poll``: what to do between slices of a
+    blocking wait; the stage-3 coordinator sets it while it exists (fetch/coordinator.py), and
+    with none a wait is a plain ``handle.wait()``."""
+
     def __init__(self, blocking_waits: bool, interval_s: float = 0.05) -> None:
         self.blocking_waits, self.interval_s = blocking_waits, interval_s
         self.poll: Optional[Callable[[], None]] = None

@@ -1,5 +1,6 @@
-"""The engine's fetch coordinator, chosen once: none to speak of at stage 0, the fetch coordinator
-(fetch/coordinator.py) with its parameter access at stages 1-3.
+"""The engine's fetch coordinator, chosen once: none to speak of at stage 0, the publish
+coordinator at stages 1-2 (fetch/publish.py), the fetch coordinator at stage 3
+(fetch/coordinator.py), each with its parameter access.
 
 Stage 0 holds every parameter in its arena: nothing is gathered, nothing is freed. Its
 coordinator is ``NullCoordinator``, which has every method the step calls and does nothing,
@@ -16,7 +17,9 @@ from zeroray.comm.group import Group
 from zeroray.comm.waiter import Waiter
 from zeroray.config import ZeroConfig
 from zeroray.fetch.access import ParameterAccess
-from zeroray.fetch.coordinator import FetchCoordinator
+from zeroray.fetch.factory import Coordinator
+from zeroray.fetch.factory import build_coordinator as build_fetch_coordinator
+from zeroray.fetch.hooks import HookedModules
 from zeroray.layout.arena import FlatLayout
 from zeroray.layout.stage import StagePolicy
 
@@ -77,51 +80,36 @@ class NullCoordinator:
     def exit_module(self, module: torch.nn.Module) -> None:
         pass
 
+    def pack(self, t: torch.Tensor):
+        return t
+
+    def unpack(self, obj):
+        return obj
+
     def remove(self) -> None:
         pass
 
 
 def build_coordinator(policy: StagePolicy, model: torch.nn.Module, layout: FlatLayout, storage, group: Group,
                       waiter: Waiter, zero: ZeroConfig, named: Dict[str, torch.nn.Parameter],
-                      reducer: GradBuckets) -> Tuple[object, Optional[ParameterAccess]]:
+                      reducer: GradBuckets) -> Tuple[Coordinator, Optional[ParameterAccess]]:
     """(the coordinator, the trainable parameters' access class or None at stage 0). Built
-    before any user callback may read a parameter."""
-    if not policy.keeps_param_shard:
+    before any user callback may read a parameter.
+
+    The reducer's part in stage 3's fetch protocol goes in as the coordinator's callbacks:
+    without independent channels (NCCL) a negotiated micro-batch holds its reductions until
+    ``finish`` (comm/buckets.py); with them, a computed micro-batch launches its reductions
+    still short of gradients (what this rank did not produce counts as zero) before it ends
+    its fetch protocol (FetchCoordinator._launch_before_done says why)."""
+    independent = group.independent_channels
+    coordinator = build_fetch_coordinator(
+        policy, zero, storage.units, storage.gatherer, group, waiter, HookedModules(*hooked_modules(model, layout)),
+        {n: named[n] for n in layout.param_names},
+        on_negotiate=(lambda: None) if independent else reducer.hold_until_finish,
+        before_done_rounds=reducer.launch_all if independent else (lambda: None))
+    if coordinator is None:
         return NullCoordinator(), None
-    modules, names, needs = hooked_modules(model, layout)
-    coordinator = FetchCoordinator(
-        storage.units, storage.gatherer, group, waiter, modules, names, needs,
-        reshard=policy.reshard_after_use, prefetch=zero.prefetch, prefetch_bytes=zero.prefetch_bytes,
-        max_live_bytes=zero.max_live_bytes, reuse_distance=zero.reuse_distance)
-    trainable = {n: named[n] for n in layout.param_names}
-    access = ParameterAccess(trainable, {n: layout.slots[n].unit for n in trainable}, coordinator.on_access)
-    wire_coordinator(coordinator, reducer, access, group, policy)
-    if policy.reshard_after_use:
-        access.install()
-    return coordinator, access
-
-
-def wire_coordinator(coordinator: FetchCoordinator, reducer: GradBuckets, access: ParameterAccess, group: Group,
-                     policy: StagePolicy) -> None:
-    """WIRING TO MOVE INTO THE CONSTRUCTORS: the only place that sets the coordinator's callbacks
-    after it was built. When the coordinator is split (the stage-3 one and the stages 1-2
-    publish), these become their constructors' arguments and this function goes.
-
-    - ``on_negotiate``: without independent channels a negotiated micro-batch reduces after its
-      rounds (comm/buckets.py), so the reducer holds its launches until ``finish``.
-    - ``before_done_rounds``: a stage-3 micro-batch is computed: launch its reductions still
-      short of gradients (what this rank did not produce counts as zero) before it ends its
-      fetch protocol (FetchCoordinator._launch_before_done says why). Where all collectives
-      share one order (NCCL, [Note: channels]) they stay where they were, after it: no wait
-      blocks there.
-    - ``on_publish``/``on_resident`` (stages 1-2): the access class is on only while a publish
-      is in flight ([Note: reads during a publish] in fetch/coordinator.py)."""
-    if group.independent_channels:
-        coordinator.before_done_rounds = reducer.launch_all
-    else:
-        coordinator.on_negotiate = reducer.hold_until_finish
-    if not policy.reshard_after_use:
-        coordinator.on_publish, coordinator.on_resident = access.install, access.suspend
+    return coordinator, coordinator.access  # installed by the coordinator ([Note: parameter access])
 
 
 def hooked_modules(model: torch.nn.Module, layout: FlatLayout

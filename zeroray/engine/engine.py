@@ -226,7 +226,7 @@ class Engine:
         self.storage.publish(self.coordinator)
 
     def flush(self) -> None:
-        """Wait for every parameter gather still in flight (stages 1-2, [Note: deferred publish])."""
+        """Wait for every parameter gather still in flight (stages 1-2, [Note: deferred publish] in fetch/publish.py)."""
         with torch.no_grad():
             self.coordinator.flush()
 

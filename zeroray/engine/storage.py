@@ -168,7 +168,7 @@ class ShardedStorage:
     def publish(self, coordinator) -> None:
         """Make the updated master visible to compute: cast it into the parameter shard (mixed
         precision) and, at stages 1-2, start the gathers ([Note: deferred publish] in
-        fetch/coordinator.py)."""
+        fetch/publish.py)."""
         with torch.no_grad():
             if self.cast:
                 self.param_shard.copy_(self.master)

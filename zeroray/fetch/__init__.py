@@ -1,2 +1,3 @@
-"""Stage 1-3 parameter fetching: the coordinators that decide when each unit is gathered, waited for
-and freed, the trace and schedule, negotiated fetches, the units and parameter access."""
+"""Stage 1-3 parameter fetching: the stage-3 coordinator (coordinator.py) and the stages 1-2 publish
+(publish.py), chosen by factory.py; the trace and schedule, negotiated fetches, the units, the module
+hooks and parameter access they build on."""

@@ -15,7 +15,7 @@ attribute, hook registration) do not count as reads. Nothing is attached to the 
 the side table maps ``id(param)`` to the parameter's name and unit.
 
 At stages 1-2, where parameters are resident, the class is installed only while a publish
-is writing into them ([Note: reads during a publish] in fetch/coordinator.py); stage 3 keeps it on.
+is writing into them ([Note: reads during a publish] in fetch/publish.py); stage 3 keeps it on.
 
 Only code that goes through torch's Python API is seen; a C++ extension handed a parameter
 directly is not (it would find its storage empty and fail, never read stale memory).
@@ -62,7 +62,7 @@ class ParameterAccess:
 
     def suspend(self) -> None:
         """Plain nn.Parameters until the next ``install``: no read is seen, none costs anything
-        (stages 1-2 between publishes: [Note: reads during a publish] in fetch/coordinator.py)."""
+        (stages 1-2 between publishes: [Note: reads during a publish] in fetch/publish.py)."""
         for p in self._params.values():
             if type(p) is self.cls:
                 p.__class__ = torch.nn.Parameter

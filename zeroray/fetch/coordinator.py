@@ -1,33 +1,14 @@
-"""The fetch coordinator: when each unit is gathered, waited for and freed, for every stage.
+"""The stage-3 fetch coordinator: when each unit is gathered, waited for and freed.
 
 It decides *when*; the units (fetch/unit.py) own the buffers, the gatherer (comm/gather.py) moves
 the bytes, the trace and schedule (fetch/trace.py) are pure. Events reach it from module hooks
 (a unit root about to run, or done), from parameter reads ([Note: parameter access] in
-fetch/access.py) and from autograd unpacking a saved view of a unit in backward.
+fetch/access.py; the access class stays installed from construction to ``remove``) and from
+autograd unpacking a saved view of a unit in backward.
 
-Persistent units (stages 1-2): the all-gathers that publish the optimizer's update are all
-started at the end of a step; the first module (or read) that needs a unit waits for its
-gather ([Note: deferred publish]). No unit is freed; the staging buffers of the publish are,
-once its last gather has been waited for (comm/gather.py, release_idle).
-
-Stage 3 follows the schedule of a verified trace ([Note: fetch trace] in fetch/trace.py), or, in a
-step without one, negotiates every fetch ([Note: negotiated fetch] in fetch/negotiate.py).
-
-[Note: deferred publish]
-After the optimizer step the stage 1-2 all-gathers of the updated parameters are only
-launched; each unit's gather is waited for where it is first needed in the next forward, so
-the gathers run while the driver sends the next batch and while the earlier modules
-compute (the paper's overlap, as stage 3's prefetch does). ``flush`` finishes whatever is
-still in flight; every path that reads or rewrites the full parameters calls it first.
-
-[Note: reads during a publish]
-At stages 1-2 a parameter is only unsafe to read while its unit's publish gather is writing
-into it: from ``publish`` until that gather was waited for. Only then does the engine need to
-see reads made outside the hooked modules ([Note: parameter access] in fetch/access.py): it turns
-the parameters' access class on when a publish starts (``on_publish``) and off once every
-unit's gather was waited for (``on_resident``: in the first forward, at the latest in
-``flush`` or at the end of the micro-batch), so the rest of the step's ops on parameters run
-as on plain ones. Stage 3 keeps it on throughout.
+A step follows the schedule of a verified trace ([Note: fetch trace] in fetch/trace.py), or, without
+one, negotiates every fetch ([Note: negotiated fetch] in fetch/negotiate.py). Stages 1-2 have a
+coordinator of their own, which only publishes the optimizer's update (fetch/publish.py).
 
 [Note: plan exit]
 A rank whose events leave the trace (a branch the others may not take, an error in its
@@ -41,8 +22,8 @@ Because every rank issues the whole plan exactly once, and rounds have a channel
 own, the collectives still match; the step trains exactly, and its status all-reduce tells
 every rank whether the ranks agreed (the new trace is adopted) or diverged (the old one is
 kept, and such steps negotiate again). Without independent channels (NCCL) a rank cannot
-leave the plan safely: it publishes the exit and raises ``TraceMismatchError``; the others
-see the exit before their step's result is read and raise too.
+leave the plan safely: it publishes the exit and raises ``UnrecoverableDivergence``; the
+others see the exit while they wait (``poll``) and raise too.
 """
 from __future__ import annotations
 
@@ -58,8 +39,10 @@ from zeroray.comm.gather import GatherHandle, UnitGatherer
 from zeroray.comm.group import Channel, Group
 from zeroray.comm.waiter import Waiter
 from zeroray.errors import ParameterAccessError, UnrecoverableDivergence
+from zeroray.fetch.access import ParameterAccess
+from zeroray.fetch.hooks import HookedModules, ModuleHooks
 from zeroray.fetch.negotiate import Negotiator
-from zeroray.fetch.trace import Event, EventKind, Schedule, digest
+from zeroray.fetch.trace import Event, EventKind, Holds, Schedule, digest, event_needs
 from zeroray.fetch.unit import Units, UnitState
 
 log = logging.getLogger("zeroray")
@@ -67,9 +50,8 @@ log = logging.getLogger("zeroray")
 
 class Mode(enum.Enum):
     IDLE = "idle"            # between steps
-    PERSISTENT = "persist"   # stages 1-2: wait for published gathers, never free
-    FOLLOW = "follow"        # stage 3 on a verified trace's schedule
-    NEGOTIATE = "negotiate"  # stage 3 without one (rounds)
+    FOLLOW = "follow"        # on a verified trace's schedule
+    NEGOTIATE = "negotiate"  # without one (rounds)
 
 
 @dataclass
@@ -79,20 +61,28 @@ class MicroBatchRecord:
     finished: bool = False     # its done-rounds completed
 
 
-class FetchCoordinator:
-    """Hooks, events and the fetch protocol of one engine; see the module docstring.
+def _divergence(who: str, why: str) -> UnrecoverableDivergence:
+    """Leaving the plan where the collectives share one order (NCCL): see [Note: plan exit]."""
+    return UnrecoverableDivergence(
+        f"stage 3: {who} left the step's prefetch plan ({why}); over NCCL the workers cannot negotiate "
+        "fetches in the middle of a step. Make forward's control flow the same on every worker, or use stage 0-2.")
 
-    ``modules``/``module_names``/``module_needs``: the hooked modules and the units their
-    forward needs. ``reshard`` is the stage policy's ``reshard_after_use`` (stage 3)."""
+
+class FetchCoordinator:
+    """Hooks, events and the stage-3 fetch protocol of one engine; see the module docstring.
+
+    ``hooked``: the modules whose forward needs units; ``params``: the trainable parameters
+    (name -> parameter) whose reads it sees. ``on_negotiate``: called when a micro-batch starts
+    negotiating (the engine adapts its reductions); ``before_done_rounds``: called when this rank
+    computed its micro-batch, before it says it is done (``_launch_before_done`` says why)."""
 
     def __init__(self, units: Units, gatherer: UnitGatherer, group: Group, waiter: Waiter,
-                 modules: Sequence[torch.nn.Module], module_names: Sequence[str],
-                 module_needs: Sequence[Tuple[int, ...]], *, reshard: bool, prefetch: bool,
-                 prefetch_bytes: Optional[int], max_live_bytes: Optional[int], reuse_distance: int) -> None:
+                 hooked: HookedModules, params: Dict[str, torch.nn.Parameter], *, prefetch: bool,
+                 prefetch_bytes: Optional[int], max_live_bytes: Optional[int], reuse_distance: int,
+                 on_negotiate: Callable[[], None] = lambda: None,
+                 before_done_rounds: Callable[[], None] = lambda: None) -> None:
         self.units, self.gatherer, self.group, self.wait = units, gatherer, group, waiter
-        self.modules, self.module_names = list(modules), list(module_names)
-        self.module_needs = [tuple(n) for n in module_needs]
-        self.reshard = reshard
+        self.module_names, self.module_needs = list(hooked.names), list(hooked.needs)
         # None: sized from the model (see ZeroConfig): the largest unit, at least one bucket; no other bound
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes if prefetch_bytes is not None else \
@@ -100,7 +90,7 @@ class FetchCoordinator:
         self.max_live_bytes = max_live_bytes if max_live_bytes is not None else sum(u.nbytes for u in units)
         self.reuse_distance = reuse_distance
         self.layout = units.layout
-        self._index_of = {id(m): i for i, m in enumerate(self.modules)}
+        self.on_negotiate, self.before_done_rounds = on_negotiate, before_done_rounds
         self.negotiator = Negotiator(group, gatherer, units, waiter)
         self.schedule: Optional[Schedule] = None
         self.mode = Mode.IDLE
@@ -109,25 +99,16 @@ class FetchCoordinator:
         self.in_backward = False
         self.compute_done = False     # this micro-batch's forward and backward are over
         self.records: List[MicroBatchRecord] = []
-        self._stack: List[Tuple[int, List[int]]] = []  # running modules: (module, units held)
-        self._held: Dict[int, int] = {}
+        self._holds = Holds()
         self._pos = 0                 # schedule position (FOLLOW)
         self._issued = 0              # schedule groups issued (FOLLOW)
         self._dry: List[GatherHandle] = []
-        self.on_negotiate: Callable[[], None] = lambda: None  # the engine adapts its reductions
-        # Stages 1-2: a publish started, and every unit's publish gather was waited for
-        # ([Note: reads during a publish]); the engine turns the parameters' access on and off.
-        self.on_publish: Callable[[], None] = lambda: None
-        self.on_resident: Callable[[], None] = lambda: None
-        self._publishing = 0  # units whose publish gather was not waited for yet
-        self.before_done_rounds: Callable[[], None] = lambda: None  # the engine launches its reductions
-        self._hooks: list = []
         self._logged: set = set()
         self.stats: dict = {}
         self._reset_stats()
-        for index, module in enumerate(self.modules):
-            self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(index)))
-            self._hooks.append(module.register_forward_hook(self._make_post_hook(index)))
+        self._hooks = ModuleHooks(hooked, self.enter, self.exit)
+        self.access = ParameterAccess(params, {n: self.layout.slots[n].unit for n in params}, self.on_access)
+        self.access.install()  # before any user callback may read a parameter
         waiter.poll = self.poll
 
     # --- step lifecycle (called by the engine) --------------------------------------------
@@ -142,15 +123,16 @@ class FetchCoordinator:
         self._reset_stats()
         self.negotiator.rounds = 0
 
-    def begin_micro_batch(self, micro_batch: int) -> None:
+    def _begin(self, micro_batch: int, record: MicroBatchRecord) -> None:
         self.micro_batch = micro_batch
-        self.records.append(MicroBatchRecord())
+        self.records.append(record)
         self.in_backward = self.compute_done = False
-        self._stack, self._held = [], {}
+        self._holds = Holds()
         self._pos = self._issued = 0
-        if not self.reshard:
-            self.mode = Mode.PERSISTENT
-        elif self.schedule is not None:
+
+    def begin_micro_batch(self, micro_batch: int) -> None:
+        self._begin(micro_batch, MicroBatchRecord())
+        if self.schedule is not None:
             self.mode = Mode.FOLLOW
         else:
             self.mode = Mode.NEGOTIATE
@@ -183,34 +165,24 @@ class FetchCoordinator:
             self._finish_rounds(self.micro_batch)
 
     def _launch_before_done(self) -> None:
-        """Stage 3, this rank computed its micro-batch: the engine launches the reductions its
-        backward left short of gradients (``before_done_rounds``) before this rank says it is
-        done, while a wait still only answers its peers' rounds (``poll``). A peer may be blocked
-        in its backward on one of them (a bucket holding a gradient only that peer produced: a
-        module only it ran, with small buckets) and can only be done once it is launched. They
-        were launched after the rounds that end the micro-batch, which wait for every rank to be
+        """This rank computed its micro-batch: the engine launches the reductions its backward
+        left short of gradients (``before_done_rounds``) before this rank says it is done, while
+        a wait still only answers its peers' rounds (``poll``). A peer may be blocked in its
+        backward on one of them (a bucket holding a gradient only that peer produced: a module
+        only it ran, with small buckets) and can only be done once it is launched. They were
+        launched after the rounds that end the micro-batch, which wait for every rank to be
         done: a deadlock (found by the issue-24 fuzzer; tests/dist/test_negotiated_small_buckets.py)."""
-        if self.reshard:
-            self.before_done_rounds()
+        self.before_done_rounds()
 
     def end_micro_batch(self) -> None:
-        """After the micro-batch's reductions: every gather finished, every stage-3 unit freed."""
+        """After the micro-batch's reductions: every gather finished, every unit freed."""
         for handle in self._dry:
             self.wait(handle)
         self._dry.clear()
         for u in self.units.holding():
-            if self.reshard:
-                self.units.free(u, self.wait)
-            else:
-                self._wait_resident(u)
+            self.units.free(u, self.wait)
         self.gatherer.release_discard()
-        self._stack, self._held = [], {}
-
-    def dry_micro_batch(self, micro_batch: int) -> None:
-        """A micro-batch this rank does not compute (an earlier one raised): take part in its gathers."""
-        self.begin_micro_batch(micro_batch)
-        self.abort_micro_batch()
-        self.end_micro_batch()
+        self._holds = Holds()
 
     def status(self) -> Tuple[float, float, float]:
         """(left the plan, events, digest) of the last micro-batch, for the step's status all-reduce."""
@@ -219,7 +191,7 @@ class FetchCoordinator:
 
     def end_step(self, failed: bool, any_exit: bool, agreed: bool) -> None:
         """After the status all-reduce: adopt the recorded sequence when every rank recorded the same."""
-        if self.reshard and not failed and any_exit:
+        if not failed and any_exit:
             events = self.records[-1].events
             if agreed and (self.schedule is None or events != self.schedule.events):
                 if self.schedule is not None:
@@ -243,22 +215,18 @@ class FetchCoordinator:
     # --- an inference call (called by the engine): see [Note: inference calls] in engine/inference.py --
 
     def begin_inference(self) -> None:
-        """Before ``evaluate``/``run`` computes: stages 1-2 wait for the published gathers where
-        needed (PERSISTENT); stage 3 negotiates every fetch under a call id of its own, so its
-        rounds never meet a step's. Nothing it records becomes a trace, and ``on_negotiate`` is
-        not called: an inference call reduces nothing."""
+        """Before ``evaluate``/``run`` computes: negotiate every fetch under a call id of its own,
+        so its rounds never meet a step's. Nothing it records becomes a trace, and
+        ``on_negotiate`` is not called: an inference call reduces nothing."""
         self.call += 1
-        self.records = [MicroBatchRecord(exited=self.reshard)]
-        self.micro_batch = 0
-        self.in_backward = self.compute_done = False
-        self._stack, self._held = [], {}
-        self._pos = self._issued = 0
-        self.mode = Mode.NEGOTIATE if self.reshard else Mode.PERSISTENT
+        self.records = []
+        self._begin(0, MicroBatchRecord(exited=True))
+        self.mode = Mode.NEGOTIATE
 
     def end_inference(self) -> None:
-        """After ``evaluate``/``run`` computed (or raised): stage 3 answers rounds until every rank
-        is done, then every unit is freed (stage 3) or its gather finished (stages 1-2); the
-        rounds' signals are cleared and the coordinator is IDLE again. The schedule is untouched."""
+        """After ``evaluate``/``run`` computed (or raised): answer rounds until every rank is done,
+        then free every unit; the rounds' signals are cleared and the coordinator is IDLE again.
+        The schedule is untouched."""
         try:
             if self.mode is Mode.NEGOTIATE:
                 self.compute_done = True
@@ -270,43 +238,15 @@ class FetchCoordinator:
             self.mode = Mode.IDLE
             self.records = []
 
-    def flush(self) -> None:
-        """Finish every gather in flight (stages 1-2 publish); see [Note: deferred publish]."""
-        for u in self.units.holding():
-            self._wait_resident(u)
-        if not self.reshard:
-            self.gatherer.release_idle()
-
     def publish(self) -> None:
-        """Stages 1-2, after the optimizer step: start gathering every unit from the updated shard."""
-        self.on_publish()
-        self._publishing = len(self.units)
-        for group_units in self.gatherer.coalesce([u.index for u in self.units]):
-            handle = self.gatherer.gather(group_units, [self.units[u].full for u in group_units],
-                                          channel=Channel.GATHER)
-            for u in group_units:
-                self.units[u].start_gather(handle)
+        """Nothing to publish: stage 3 gathers each unit where a step needs it."""
 
-    def _wait_resident(self, unit: int) -> None:
-        """Wait for ``unit``'s gather; at stages 1-2, once the last publish gather is done, say
-        so (``on_resident``): see [Note: reads during a publish]."""
-        finished = self.units.wait(unit, self.wait)
-        if finished and not self.reshard and self._publishing:
-            self._publishing = max(self._publishing - finished, 0)
-            if not self._publishing:
-                self.on_resident()
+    def flush(self) -> None:
+        """Finish every gather still in flight (none between steps, where every unit is freed)."""
+        for u in self.units.holding():
+            self.units.wait(u, self.wait)
 
     # --- events ----------------------------------------------------------------------------
-
-    def _make_pre_hook(self, index: int):
-        def hook(module, args):
-            self.enter(index)
-        return hook
-
-    def _make_post_hook(self, index: int):
-        def hook(module, args, output):
-            self.exit(index)
-        return hook
 
     def enter(self, index: int) -> None:
         if self.mode is not Mode.IDLE:
@@ -319,21 +259,21 @@ class FetchCoordinator:
     def enter_module(self, module: torch.nn.Module) -> bool:
         """Recomputation under activation checkpointing: the checkpointed module's own hooks do
         not fire, so its units are fetched here (an event like its pre-hook); True if hooked."""
-        index = self._index_of.get(id(module))
+        index = self._hooks.index(module)
         if index is None or not self.in_backward:
             return False
         self.enter(index)
         return True
 
     def exit_module(self, module: torch.nn.Module) -> None:
-        self.exit(self._index_of[id(module)])
+        self.exit(self._hooks.index(module))
 
     def on_access(self, name: str, unit: int) -> None:
         """A parameter of ``unit`` is about to be read; see [Note: parameter access]."""
         state = self.units[unit].state
         if self.mode is Mode.IDLE:
             if state is UnitState.GATHERING:
-                self._wait_resident(unit)
+                self.units.wait(unit, self.wait)
             elif state is UnitState.SHARDED:
                 module = self.layout.units[unit].module or "<root>"
                 raise ParameterAccessError(
@@ -341,10 +281,6 @@ class FetchCoordinator:
                     "stage 3 keeps only this worker's shard of it. Read parameters in loss_fn or in the model's "
                     "forward (zeroray gathers them there), and on the driver use trainer.get_parameter(name) or "
                     "trainer.state_dict().")
-            return
-        if self.mode is Mode.PERSISTENT:
-            if state is UnitState.GATHERING:
-                self._wait_resident(unit)
             return
         expected = self.mode is Mode.FOLLOW and self._pos < len(self.schedule) and \
             self.schedule.events[self._pos] == (EventKind.ACCESS, unit)
@@ -365,18 +301,13 @@ class FetchCoordinator:
 
     def on_grads_done(self, unit: int) -> None:
         """All gradients of ``unit`` reached the reducer: its parameters are no longer needed."""
-        if self.reshard and self.mode is not Mode.IDLE and self._held.get(unit, 0) == 0:
+        if self.mode is not Mode.IDLE and self._holds.count(unit) == 0:
             self.units.free(unit, self.wait)
 
     def _event(self, kind: EventKind, index: int) -> None:
         self.records[-1].events.append((kind, index))
-        if self.mode is Mode.PERSISTENT:
-            if kind is EventKind.FORWARD:
-                for u in self.module_needs[index]:
-                    self._wait_resident(u)
-                self.gatherer.release_idle()  # the publish's staging, once its last gather is waited for
-            return
-        released = self._track(kind, index)
+        needs = event_needs((kind, index), self.module_needs)
+        released = self._holds.add((kind, index), needs)
         if self.mode is Mode.FOLLOW:
             if self._pos < len(self.schedule) and self.schedule.events[self._pos] == (kind, index):
                 if self._follow():
@@ -387,31 +318,7 @@ class FetchCoordinator:
         # NEGOTIATE
         for u in released:
             self.units.free(u, self.wait)
-        needs = self._needs(kind, index)
         self._fetch(needs)
-
-    def _track(self, kind: EventKind, index: int) -> List[int]:
-        """Which running module holds which units; the units an END leaves held by nobody."""
-        released: List[int] = []
-        if kind is EventKind.FORWARD:
-            self._stack.append((index, []))
-        elif kind is EventKind.END and self._stack and self._stack[-1][0] == index:
-            for u in self._stack.pop()[1]:
-                self._held[u] -= 1
-                if self._held[u] == 0 and not self.in_backward:
-                    released.append(u)
-        if kind is EventKind.FORWARD or (kind is EventKind.ACCESS and self._stack):
-            for u in self._needs(kind, index):
-                self._stack[-1][1].append(u)
-                self._held[u] = self._held.get(u, 0) + 1
-        return released
-
-    def _needs(self, kind: EventKind, index: int) -> Tuple[int, ...]:
-        if kind is EventKind.FORWARD:
-            return self.module_needs[index]
-        if kind in (EventKind.ACCESS, EventKind.BACKWARD):
-            return (index,)
-        return ()
 
     # --- following the schedule ------------------------------------------------------------
 
@@ -474,10 +381,7 @@ class FetchCoordinator:
             self.group.signal(self._exit_key(self.micro_batch), f"rank {self.group.rank}: {why}")
         if not self.group.independent_channels:
             self.mode = Mode.IDLE
-            raise UnrecoverableDivergence(
-                f"stage 3: worker {self.group.rank} left the step's prefetch plan ({why}); over NCCL the "
-                "workers cannot negotiate fetches in the middle of a step. Make forward's control flow the same "
-                "on every worker, or use stage 0-2.")
+            raise _divergence(f"worker {self.group.rank}", why)
         self._issue_rest_dry()
         self.mode = Mode.NEGOTIATE
         self.on_negotiate()
@@ -521,17 +425,14 @@ class FetchCoordinator:
 
     def poll(self) -> None:
         """Called between slices of a blocking wait: join any plan exit a peer announced."""
-        if self.mode is Mode.IDLE or not self.reshard or not self.records:
+        if self.mode is Mode.IDLE or not self.records:
             return
         if not self.group.independent_channels:
             for m in range(len(self.records)):
                 exit_note = self.group.signalled(self._exit_key(m))
                 if exit_note is not None:
                     self.mode = Mode.IDLE
-                    raise UnrecoverableDivergence(
-                        f"stage 3: a peer left the step's prefetch plan ({exit_note}); over NCCL the workers cannot "
-                        "negotiate fetches in the middle of a step. Make forward's control flow the same on every "
-                        "worker, or use stage 0-2.")
+                    raise _divergence("a peer", exit_note)
             return
         if self.negotiator.in_round:
             return  # a round's own waits: its peers are in it too
@@ -577,12 +478,10 @@ class FetchCoordinator:
             log.info(message)
 
     def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        """Unhook the modules, stop polling, and give the parameters their plain class back."""
+        self._hooks.remove()
         self.wait.poll = None
-        self.modules.clear()
-        self._index_of.clear()
+        self.access.remove()
 
 
 class _UnitRef:

@@ -21,7 +21,8 @@ events or inside the prefetch window: the prefetcher would gather them again at 
 schedule depends on nothing but the trace and the configuration, so every rank issues the
 same gathers in the same order ([Note: collective order] in group.py), and the list of a
 micro-batch's gathers is known in advance, which is what lets a rank that leaves it still
-issue the rest (see [Note: plan exit] in fetch/coordinator.py).
+issue the rest (see [Note: plan exit] in fetch/coordinator.py). ``Holds`` follows which module
+holds which unit, for the schedule and for a step that negotiates alike.
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ class Schedule:
               coalesce: Callable[[List[int]], List[List[int]]], *, prefetch: bool, prefetch_bytes: int,
               max_live_bytes: int, reuse_distance: int) -> "Schedule":
         events = list(events)
-        needs = [_needs(e, module_needs) for e in events]
+        needs = [event_needs(e, module_needs) for e in events]
         n = len(events)
         # uses_before[i]: need-bearing events before position i (reuse_distance counts those)
         uses_before, cum_bytes = [0], [0]
@@ -104,9 +105,7 @@ class Schedule:
                 last_backward_use[u] = i
 
         alive: set = set()
-        held: Dict[int, int] = {}                 # unit -> running modules holding it
-        stack: List[Tuple[int, List[int]]] = []   # running modules: (module, units it holds)
-        in_backward = False
+        holds = Holds()
         positions: List[Position] = []
 
         def live() -> int:
@@ -127,20 +126,10 @@ class Schedule:
             on_demand: List[Tuple[int, ...]] = []
             fetched: List[Tuple[int, ...]] = []
             release: List[int] = []
-            if kind is EventKind.BACKWARD_START:
-                in_backward = True
-            elif kind is EventKind.END and stack and stack[-1][0] == index:
-                for u in stack.pop()[1]:
-                    held[u] -= 1
-                    if not in_backward and held[u] == 0 and u in alive and not needed_soon(u, i):
-                        alive.discard(u)
-                        release.append(u)
-            elif kind is EventKind.FORWARD:
-                stack.append((index, []))
-            if kind is EventKind.FORWARD or (kind is EventKind.ACCESS and stack):
-                for u in needs[i]:  # held by the running module until its END
-                    stack[-1][1].append(u)
-                    held[u] = held.get(u, 0) + 1
+            for u in holds.add((kind, index), needs[i]):
+                if u in alive and not needed_soon(u, i):
+                    alive.discard(u)
+                    release.append(u)
             if needs[i]:
                 missing = [u for u in needs[i] if u not in alive]
                 on_demand = [tuple(g) for g in coalesce(missing)] if missing else []
@@ -149,21 +138,61 @@ class Schedule:
                     todo = _prefetch(i, needs, alive, unit_bytes, prefetch_bytes, max_live_bytes, live())
                     fetched = [tuple(g) for g in coalesce(todo)] if todo else []
                     alive.update(todo)
-            if in_backward:
+            if holds.in_backward:
                 for u in needs[i]:
-                    if last_backward_use.get(u) == i and held.get(u, 0) == 0:
+                    if last_backward_use.get(u) == i and holds.count(u) == 0:
                         alive.discard(u)  # its gradients complete after this use: freed then
             positions.append(Position(tuple(needs[i]), tuple(on_demand), tuple(fetched), tuple(release)))
         return cls(events, positions)
 
 
-def _needs(event: Event, module_needs: Sequence[Tuple[int, ...]]) -> Tuple[int, ...]:
+def event_needs(event: Event, module_needs: Sequence[Tuple[int, ...]]) -> Tuple[int, ...]:
+    """The units ``event`` needs gathered: a module's units for FORWARD, the unit itself for
+    ACCESS and BACKWARD, none for END and BACKWARD_START."""
     kind, index = event
     if kind is EventKind.FORWARD:
         return tuple(module_needs[index])
     if kind in (EventKind.ACCESS, EventKind.BACKWARD):
         return (index,)
     return ()
+
+
+class Holds:
+    """Which running module holds which units, event by event; see [Note: fetch trace].
+
+    A ``FORWARD`` pushes its module with the units it needs; an ``ACCESS`` while a module runs
+    adds the unit to the innermost one; that module's ``END`` drops them. ``Schedule.build``
+    and the stage-3 coordinator (fetch/coordinator.py) both account for events through this, so
+    the schedule's frees and a negotiated step's agree on when a unit is held by nobody."""
+
+    def __init__(self) -> None:
+        self.in_backward = False                         # BACKWARD_START seen
+        self._stack: List[Tuple[int, List[int]]] = []    # running modules: (module, units it holds)
+        self._held: Dict[int, int] = {}                  # unit -> running modules holding it
+
+    def add(self, event: Event, needs: Sequence[int]) -> List[int]:
+        """Account for ``event`` (whose units are ``needs``); the units its END leaves held by
+        nobody, in forward only (backward frees a unit once its gradients are done)."""
+        kind, index = event
+        released: List[int] = []
+        if kind is EventKind.BACKWARD_START:
+            self.in_backward = True
+        elif kind is EventKind.END and self._stack and self._stack[-1][0] == index:
+            for u in self._stack.pop()[1]:
+                self._held[u] -= 1
+                if self._held[u] == 0 and not self.in_backward:
+                    released.append(u)
+        elif kind is EventKind.FORWARD:
+            self._stack.append((index, []))
+        if kind is EventKind.FORWARD or (kind is EventKind.ACCESS and self._stack):
+            for u in needs:  # held by the running module until its END
+                self._stack[-1][1].append(u)
+                self._held[u] = self._held.get(u, 0) + 1
+        return released
+
+    def count(self, unit: int) -> int:
+        """How many running modules hold ``unit``."""
+        return self._held.get(unit, 0)
 
 
 def _prefetch(i: int, needs: List[Tuple[int, ...]], alive: set, unit_bytes: Sequence[int],
