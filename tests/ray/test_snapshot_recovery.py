@@ -5,7 +5,8 @@ bitwise (per-step losses and final weights).
 The kill lands as in test_faults.py: worker 1 blocks inside loss_fn of the step on a named batch,
 says so, and only then is killed, so the machine's load cannot change which step fails. The disk
 checkpoint is far behind (step 0), so the recovery must come from memory to redo at most one step.
-A second fit loses its snapshot (its objects are freed, as when the object store's node dies) and
+A second fit loses its snapshot (one shard's object is gone, as when the node whose object store
+held it dies) and
 falls back to the disk checkpoint, still bitwise.
 """
 import functools
@@ -56,14 +57,31 @@ def _arm_kill(trainer, gate_dir, batch, before_kill=lambda: None):
     return arm, landed, target
 
 
-def _free(refs):
-    """Lose objects for real: what a dead node's object store does to the snapshot it held."""
-    from ray._private.internal_api import free
+@ray.remote
+class _Owner:
+    def put(self):
+        return [ray.put(torch.zeros(1))]  # a ref inside a list stays owned by this actor
 
-    free(refs)
+
+def _lose(snapshot):
+    """Make worker 1's shard of ``snapshot`` a lost object for real (its owner is dead), as when the
+    node whose object store held it died: fetching it raises OwnerDiedError."""
+    owner = _Owner.remote()
+    ref = ray.get(owner.put.remote())[0]
+    ray.kill(owner)
+    _wait_for(lambda: _raises(owner), "the owner to die")
+    snapshot.shards[1] = ref
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+def _raises(owner):
+    try:
+        ray.get(owner.put.remote(), timeout=5)
+        return False
+    except ray.exceptions.RayActorError:
+        return True
+
+
+@pytest.mark.parametrize("stage", [1])  # collective import (stages 1-2): the two-phase restore matters
 def test_sigkill_recovers_from_memory_bitwise(ray_local, tmp_path, stage):
     batches = make_batches(STEPS + MORE)
     (tmp_path / "gate").mkdir()
@@ -88,7 +106,7 @@ def test_sigkill_recovers_from_memory_bitwise(ray_local, tmp_path, stage):
         # checkpoint of step STEPS and redoes the steps since.
         trainer.save()
         arm, landed, target = _arm_kill(trainer, gate, batches[STEPS + 2],
-                                        before_kill=lambda: _free(trainer.controller.snapshots.complete.shards))
+                                        before_kill=lambda: _lose(trainer.controller.snapshots.complete))
         second = trainer.fit(KillingData(batches[STEPS:], 2, arm), skip=0, progress=False)
         assert landed == {"batch": target}, landed
         rec = trainer.recoveries[-1]
