@@ -102,6 +102,11 @@ def test_sigkill_recovers_from_memory_bitwise(ray_local, tmp_path, stage):
         assert len(trainer.recoveries) == 1
         assert rec["restored_from"] == "memory" and rec["step"] == KILL_AT and rec["redone_steps"] <= 1, rec
 
+        # What a snapshot costs, where a user reads memory figures: this rank's state shard.
+        report = trainer.memory_report()
+        assert all(r["snapshot_bytes"] > 0 for r in report)
+        print(f"  snapshot bytes per worker: {[r['snapshot_bytes'] for r in report]}")
+
         # Second fit: the snapshot is lost before the kill, so recovery falls back to the disk
         # checkpoint of step STEPS and redoes the steps since.
         trainer.save()
