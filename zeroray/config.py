@@ -215,13 +215,31 @@ class ScalingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class FailureConfig:
-    """max_failures: worker failures survived during fit (restart from the last checkpoint)."""
+    """max_failures: worker failures survived during fit (restart from the last checkpoint, or
+    from the newest in-memory snapshot when that is newer).
+
+    snapshot_every: during fit, every that many steps each worker's model-state shard (what a
+    checkpoint holds for its rank) is copied out of the worker into Ray's object store, owned by
+    the driver, so it survives the worker's death; a recovery restores the newest complete
+    snapshot instead of an older disk checkpoint, and only the steps since it are redone (at
+    most one with ``snapshot_every=1``). None (the default): no snapshots. Cost: one more shard
+    per worker, 1/N of the model states (fp32 master weights and optimizer state), held in the
+    object store of the worker's node (its shared memory, not the worker's heap), plus while a
+    new snapshot is being taken the one it replaces; the copy runs on the worker between its
+    steps. See [Note: in-memory snapshots] in runtime/snapshot.py for when it is lost (the
+    node's object store died with its node) and recovery falls back to the disk checkpoint.
+    """
 
     max_failures: int = 0
+    snapshot_every: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_failures, int) or isinstance(self.max_failures, bool) or self.max_failures < 0:
             _fail("FailureConfig", "max_failures", self.max_failures, "it must be an integer >= 0")
+        v = self.snapshot_every
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            _fail("FailureConfig", "snapshot_every", v,
+                  "it must be an integer >= 1 (snapshot every that many steps), or None for no snapshots")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,6 +55,7 @@ from zeroray.runtime.failures import PlacementError, WorkerSetupError, is_worker
 from zeroray.runtime.messages import WorkerSpec
 from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
 from zeroray.runtime.sequencer import Cancelled
+from zeroray.runtime.snapshot import Snapshot, SnapshotKeeper
 from zeroray.runtime.step import PendingStep, StepResult
 from zeroray.runtime.trainer_state import SHUT_DOWN, StateMachine, TrainerState
 from zeroray.runtime.worker_group import WorkerGroup
@@ -85,6 +86,8 @@ class Controller:
         self.step_count = 0
         self.data_position = 0                     # global batches consumed from fit's data
         self.last_checkpoint: Optional[str] = None
+        self.last_checkpoint_step: Optional[int] = None  # the step last_checkpoint holds
+        self.snapshots = SnapshotKeeper(None)     # fit: the newest in-memory snapshot ([Note: in-memory snapshots])
         self.last_recovery_s: Optional[float] = None  # fit: seconds from a worker failure to resuming
         self.recoveries: List[Dict[str, Any]] = []    # fit: one record per restart (cause, timing, size)
         self.in_flight = 0                         # steps sent and not yet collected
@@ -164,7 +167,8 @@ class Controller:
         submitted = time.time()
         refs = self.group.call_each("train_step", [(s,) for s in shards], after_ok=after_ok)
         self.in_flight += 1
-        return PendingStep(refs, submitted, self.step_count + self.in_flight, tokens)
+        number = self.step_count + self.in_flight
+        return PendingStep(refs, submitted, number, tokens, snapshot=self._snapshot_after(number))
 
     def submit_local_step(self, *, after_ok: bool = False, tokens: Optional[int] = None) -> PendingStep:
         """Send one step on every worker's next batch of its attached Ray Data split (data.py)."""
@@ -172,7 +176,17 @@ class Controller:
         submitted = time.time()
         refs = self.group.call("train_next", after_ok=after_ok)
         self.in_flight += 1
-        return PendingStep(refs, submitted, self.step_count + self.in_flight, tokens)
+        number = self.step_count + self.in_flight
+        return PendingStep(refs, submitted, number, tokens, snapshot=self._snapshot_after(number))
+
+    def _snapshot_after(self, number: int) -> Optional[Snapshot]:
+        """fit: the snapshot call numbered right behind the step that ends at ``number``, when one
+        is due; see [Note: in-memory snapshots] in snapshot.py."""
+        if self.state is not TrainerState.FITTING or not self.snapshots.due(number):
+            return None
+        per_rank = self.group.call("snapshot_shard", after_ok=True, num_returns=3)
+        return Snapshot(layout=self.layout.to_dict(), shards=[r[0] for r in per_rank], untrained=per_rank[0][1],
+                        records=[r[2] for r in per_rank])
 
     def finish_step(self, pending: PendingStep) -> Optional[StepResult]:
         """Wait for a sent step. Its StepResult; None when it did not run (its split had run out,
@@ -191,6 +205,13 @@ class Controller:
         self.step_count = result.step
         if self.state is TrainerState.FITTING:  # a fit's step consumed one global batch ([Note: data replay])
             self.data_position += 1
+        if pending.snapshot is not None:  # its export ran right behind the step: wait for the small records
+            records = self.group.wait_all(pending.snapshot.records, self.zero.collective_timeout_s + 60,
+                                          f"snapshot of step {result.step}", independent=True)
+            if any(r["step"] != result.step for r in records):
+                raise RuntimeError(f"the snapshot behind step {result.step} holds steps "
+                                   f"{[r['step'] for r in records]}: a zeroray bug")
+            self.snapshots.promote(pending.snapshot, result.step, self.data_position)
         result.timeline = {"submit": pending.submitted_at, **outs[0].hops.as_dict(), "receive": time.time()}
         return result
 
@@ -268,14 +289,17 @@ class Controller:
 
     # --- fit -------------------------------------------------------------------------------
 
-    def begin_fit(self, skip: Optional[int]) -> None:
-        """IDLE -> FITTING: the fit's data starts at ``skip`` (default: the current data position)."""
+    def begin_fit(self, skip: Optional[int], snapshot_every: Optional[int] = None) -> None:
+        """IDLE -> FITTING: the fit's data starts at ``skip`` (default: the current data position);
+        every ``snapshot_every`` steps an in-memory snapshot ([Note: in-memory snapshots])."""
         self.states.enter(TrainerState.FITTING)
+        self.snapshots = SnapshotKeeper(snapshot_every)
         self.data_position = self.data_position if skip is None else skip
         self._fit_origin = (self.step_count, self.data_position)
 
     def end_fit(self) -> None:
-        """FITTING -> IDLE (also after fit raised)."""
+        """FITTING -> IDLE (also after fit raised). The snapshot is released: it serves this fit only."""
+        self.snapshots.drop()
         self.states.leave(TrainerState.FITTING)
 
     def recover(self, error: BaseException, failures: FailurePolicy, scaling: ScalingPolicy,
@@ -297,8 +321,7 @@ class Controller:
                         raise RuntimeError(f"training failed: {decision.reason}; original cause: "
                                            f"{type(error).__name__}: {error}") from error
                     raise error  # user code or input: the worker's own error, as it is
-                note(f"zeroray: {decision.reason}; restarting from "
-                     f"{self.last_checkpoint or 'the initial weights (no checkpoint yet)'}")
+                note(f"zeroray: {decision.reason}; restarting from {self._restart_source()}")
                 try:
                     timings = self._restart(scaling, decision.reason, note)
                     break
@@ -333,6 +356,17 @@ class Controller:
         t2 = time.monotonic()
         timings = {"teardown_s": t1 - t0, "start_s": t2 - t1, **self.group.timings}
         origin_step, origin_position = self._fit_origin
+        timings["restored_from"] = "memory"
+        if self._newer_snapshot() is not None:
+            lost = self._load_snapshot(self._newer_snapshot())
+            if lost is None:
+                timings["restore_s"] = time.monotonic() - t2
+                return timings
+            note(f"zeroray: the in-memory snapshot of step {self.snapshots.complete.step} is lost ({lost}); "
+                 f"restarting from {self.last_checkpoint or 'the initial weights (no checkpoint yet)'} instead")
+            timings["snapshot_lost"] = lost
+            self.snapshots.drop()
+        timings["restored_from"] = "disk" if self.last_checkpoint is not None else "initial weights"
         if self.last_checkpoint is not None:
             self.load(self.last_checkpoint)
             if self.step_count < origin_step:
@@ -354,6 +388,41 @@ class Controller:
         timings["restore_s"] = time.monotonic() - t2
         return timings
 
+    def _newer_snapshot(self) -> Optional[Snapshot]:
+        """The complete in-memory snapshot, when it is newer than the last disk checkpoint."""
+        snap = self.snapshots.complete
+        if snap is None or (self.last_checkpoint_step is not None and self.last_checkpoint_step >= snap.step):
+            return None
+        return snap
+
+    def _restart_source(self) -> str:
+        snap = self._newer_snapshot()
+        if snap is not None:
+            return f"the in-memory snapshot of step {snap.step}"
+        return self.last_checkpoint or "the initial weights (no checkpoint yet)"
+
+    def _load_snapshot(self, snap: Snapshot) -> Optional[str]:
+        """Every new worker fetches its share of ``snap``, then (only if all could) imports it.
+        None when loaded; what was lost otherwise, with the group still usable (no collective ran)."""
+        from zeroray.runtime.snapshot import needed_ranks
+
+        group, old_layout = self.group, FlatLayout.from_dict(snap.layout)
+        args = []
+        for info in group.setup_info:
+            needed = set(needed_ranks(old_layout, info.resize_target()))
+            args.append((snap.layout, [ref if r in needed else None for r, ref in enumerate(snap.shards)],
+                         [snap.untrained]))  # refs inside lists: each worker fetches them one at a time
+        problems = group.wait_all(group.call_each("stage_snapshot", args), None, "restore the in-memory snapshot",
+                                  independent=True)
+        lost = [f"worker {r}: {p}" for r, p in enumerate(problems) if p is not None]
+        if lost:
+            return "; ".join(lost)
+        steps = group.wait_all(group.call("apply_snapshot"), None, "restore the in-memory snapshot")
+        if steps[0] != snap.step:
+            raise RuntimeError(f"the in-memory snapshot of step {snap.step} loaded as step {steps[0]}: a zeroray bug")
+        self.step_count, self.data_position = snap.step, snap.data_position
+        return None
+
     # --- checkpoints -----------------------------------------------------------------------
 
     def save(self, root: Any, keep: Optional[int]) -> Any:
@@ -373,6 +442,7 @@ class Controller:
                                             "seed": self.spec.seed},
                                     extra={"state_dict_keys": self.state_dict_keys})
             self.last_checkpoint = commit(root, self.step_count, fields, infos, keep=keep)
+            self.last_checkpoint_step = self.step_count
         except Exception as error:
             if not is_worker_failure(error):
                 error.add_note(self._failed_save_note(root))
@@ -402,7 +472,7 @@ class Controller:
         steps = group.wait_all(group.call("load_checkpoint", step_dir), None, "restore")
         self.step_count = steps[0]
         self.data_position = int(manifest.data_position or 0)
-        self.last_checkpoint = step_dir
+        self.last_checkpoint, self.last_checkpoint_step = step_dir, steps[0]
 
     def verify(self, step_dir: Any) -> None:
         """Every worker checks its share of the checkpoint's files (sizes, sha256) in parallel;

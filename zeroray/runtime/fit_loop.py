@@ -89,7 +89,7 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
         raise ValueError("fit with FailureConfig(max_failures>0) needs re-iterable data (a list, or an object "
                          "whose __iter__ starts over), so batches can be replayed after a failure; "
                          "got a one-shot iterator")
-    controller.begin_fit(skip)
+    controller.begin_fit(skip, failure.snapshot_every)
     try:
         end = None if num_steps is None else controller.data_position + num_steps
         failures = FailurePolicy(failure.max_failures)

@@ -27,7 +27,7 @@ from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint import is_sharded_key, plan
 
 
-def _wire(t: torch.Tensor) -> Any:
+def to_wire(t: torch.Tensor) -> Any:
     """A flat CPU tensor as a numpy array (zero-copy through Ray); as itself where numpy has no dtype."""
     try:
         return t.detach().cpu().contiguous().numpy()
@@ -35,8 +35,8 @@ def _wire(t: torch.Tensor) -> Any:
         return t.detach().cpu().contiguous()
 
 
-def _tensor(data: Any) -> torch.Tensor:
-    """A read-only view of what ``_wire`` sent (only ever copied from)."""
+def from_wire(data: Any) -> torch.Tensor:
+    """A read-only view of what ``to_wire`` sent (only ever copied from)."""
     if isinstance(data, torch.Tensor):
         return data
     with warnings.catch_warnings():  # Ray's buffers are read-only; this view is only read
@@ -59,7 +59,7 @@ def cut_pieces(old_layout: FlatLayout, old_rank: int, tensors: Mapping[str, torc
         copies = [c for c in plan(old_layout, new_layout, rank) if c.src_rank == old_rank]
         piece: Dict[str, Any] = {
             "copies": [(c.src_start, c.src_end, c.dst_start) for c in copies],
-            "tensors": {k: _wire(torch.cat([v[c.src_start:c.src_end] for c in copies]) if copies else v[:0])
+            "tensors": {k: to_wire(torch.cat([v[c.src_start:c.src_end] for c in copies]) if copies else v[:0])
                         for k, v in sharded.items()}}
         if min(rank, old_layout.world_size - 1) == old_rank:  # where new rank `rank` takes per-rank values
             piece["scalars"] = scalars
@@ -79,7 +79,7 @@ class PieceAssembler:
 
     def add(self, piece: Mapping[str, Any]) -> None:
         for key, data in piece["tensors"].items():
-            flat = _tensor(data)
+            flat = from_wire(data)
             dst = self.tensors.get(key)
             if dst is None:
                 dst = self.tensors[key] = torch.zeros(self.shard_numel, dtype=flat.dtype)

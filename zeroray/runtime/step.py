@@ -38,6 +38,7 @@ class PendingStep:
     submitted_at: float
     number: int                  # the step count this step ends at, if it runs
     tokens: Optional[int] = None
+    snapshot: Optional[Any] = None  # fit: the in-memory snapshot taken right behind it (runtime/snapshot.py)
 
     @staticmethod
     def combine(results: List[StepOutput]) -> StepResult:

@@ -254,7 +254,9 @@ class Trainer:
         return self._on_workers("comm_report")
 
     def memory_report(self) -> List[Dict[str, Any]]:
-        """Per worker: measured bytes by category next to the paper's estimate (see memory/report.py)."""
+        """Per worker: measured bytes by category next to the paper's estimate (see memory/report.py);
+        ``snapshot_bytes``: what one in-memory snapshot of that worker's state holds in Ray's object
+        store under FailureConfig(snapshot_every=K), outside the worker's process (1/N of the model states)."""
         return self._on_workers("memory_report")
 
     # --- checkpoints and resize ------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 from zeroray.memory.process import ProcessMemory, current_rss_bytes
 from zeroray.runtime.batch_transport import unpack
 from zeroray.runtime.messages import Hops, SetupInfo, SplitInfo, StepOutput, WorkerSpec
-from zeroray.runtime.sequencer import Sequencer, Ticket
+from zeroray.runtime.sequencer import Cancelled, Sequencer, Ticket
 
 # Concurrency groups of the actor class (worker_group.py passes them to ray.remote): the engine
 # calls wait for their turn on the default group's threads (a running step, the step queued
@@ -57,6 +57,7 @@ class Worker:
         self.group = None
         self._sequencer = Sequencer()
         self._arrived = threading.local()
+        self._staged = None  # recovery: the state stage_snapshot assembled, until apply_snapshot
         self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/local_feed.py)
         self.memory = ProcessMemory()  # before the model: the baseline; engine work on one thread
 
@@ -186,6 +187,10 @@ class Worker:
 
         report = measure(self.engine, self.memory.report())
         report["rank"] = self.rank
+        # What one in-memory snapshot of this rank takes in the object store, outside this process
+        # (FailureConfig(snapshot_every), [Note: in-memory snapshots]): 1/N of the model states.
+        tensors, _ = self.engine.export_state()
+        report["snapshot_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
         report["rss_bytes"] = current_rss_bytes()
         return report
 
@@ -200,6 +205,42 @@ class Worker:
         tensors, scalars = self.engine.export_state()
         pieces = cut_pieces(self.engine.layout, self.rank, tensors, scalars, targets)
         return (*pieces, {"step": self.engine.step_count})
+
+    def snapshot_shard(self, ticket: Ticket) -> Tuple[Any, Any, Any]:
+        """fit's in-memory snapshot of this rank's state ([Note: in-memory snapshots] in
+        runtime/snapshot.py): (shard, rank 0's untrained state or None, a small record), three
+        Ray objects the driver owns. Called with num_returns=3 and ``after_ok`` behind the step
+        it captures; not ``engine_call`` only so that a cancelled call still returns three values."""
+        from zeroray.runtime.snapshot import export_shard
+
+        self._arrived.at = time.time()
+        out = self._sequencer.run(ticket, lambda: export_shard(self.engine, self.rank))
+        return (out, None, out) if isinstance(out, Cancelled) else out
+
+    @engine_call
+    def stage_snapshot(self, old_layout: Dict[str, Any], shard_refs: List[Any], untrained_refs: List[Any]
+                       ) -> Optional[str]:
+        """Recovery, first half: fetch and assemble this rank's state from a snapshot (no
+        collective). None when done; what went wrong when a shard is lost (the driver then falls
+        back to the disk checkpoint, with no worker left waiting in a collective)."""
+        from zeroray.runtime.snapshot import assemble
+
+        layout, rank = self.engine.state_layout()
+        try:
+            self._staged = assemble(old_layout, (layout.to_dict(), rank), shard_refs, untrained_refs)
+        except Exception as error:  # noqa: BLE001 - reported to the driver, which falls back
+            self._staged = None
+            return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        return None
+
+    @engine_call
+    def apply_snapshot(self) -> int:
+        """Recovery, second half: import the staged state (collective at stages 1-2)."""
+        (tensors, scalars), untrained = self._staged
+        self._staged = None
+        self.engine.import_state(tensors, scalars)
+        self.engine.import_untrained(untrained)
+        return self.engine.step_count
 
     @engine_call
     def save_shard(self, root: str, step: int) -> Tuple[Any, Any]:

@@ -1,0 +1,122 @@
+"""In-memory snapshots of the training state during fit, outside the workers' processes.
+
+[Note: in-memory snapshots]
+With ``FailureConfig(snapshot_every=K)``, every K-th step of a fit is followed, on every
+worker, by ``Worker.snapshot_shard``: the worker exports its state (``Engine.export_state``, what
+a checkpoint holds for its rank; rank 0 also its buffers and frozen parameters) and *returns*
+it. A value an actor task returns is a Ray object owned by the caller, the driver: a large one
+lives in the object store (plasma, the shared memory of the worker's node, served by that
+node's raylet), a small one inline in the driver's memory; in neither case in the worker's
+heap, so it survives the worker's death. The driver keeps the refs; nothing is written to disk.
+
+Order without a barrier: the snapshot call is numbered right after the step it captures
+([Note: one engine call at a time] in sequencer.py), with ``after_ok``, so it runs after that
+step and before the next one, which fit has already queued, and only if the step succeeded;
+the next step is ``after_ok`` behind the snapshot. fit's pipeline is not broken: the copy
+runs on the workers between two steps and the driver never fetches the shards. When the
+driver collects the step, it waits for the snapshot's small record (the step it holds) and
+only then makes the snapshot the complete one, dropping the refs of the one before, which
+frees its objects (Ray counts references). So at most the complete snapshot and the ones of
+the steps still in flight exist: one shard per worker more than a checkpoint-less run, plus
+the one being taken (1/N of the model states each).
+
+Recovery (Controller.recover) restores the complete snapshot when it is newer than the last
+disk checkpoint: every new worker fetches, one at a time, the old shards that hold its slices
+(the pure range math of ``checkpoint.reshard.plan``, as a resize does, so a restart at another
+size works too; [Note: resize transfer] in state_transfer.py), and only when every worker has
+fetched its share does any import it (the import is collective at stages 1-2). A snapshot is
+lost when the object store that held a shard is gone: its node died (on one machine, that is
+the head node, and the driver with it), or Ray evicted or could not restore a spilled object.
+A worker that cannot fetch a shard says so instead of raising; the driver then drops the
+snapshot and falls back to the last disk checkpoint (or the initial weights), as without
+snapshots. Not built yet: a copy of each shard on a buddy worker of another node, which would
+let a snapshot survive its node's death too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import ray
+import torch
+
+from zeroray.checkpoint import plan
+from zeroray.layout.arena import FlatLayout
+from zeroray.runtime.state_transfer import PieceAssembler, cut_pieces, from_wire, to_wire
+
+
+@dataclass
+class Snapshot:
+    """One fit step's state, held in Ray objects the driver owns; see [Note: in-memory snapshots].
+
+    ``shards[r]``: old rank r's ``{"tensors": {key: wire array}, "scalars": {...}}`` in the
+    coordinates of ``layout`` (the group's layout when it was taken); ``untrained``: rank 0's
+    buffers and frozen parameters; ``records``: one small ``{"step": n}`` per rank, what the
+    driver waits on. ``step``/``data_position``: set when the driver collected the step."""
+
+    layout: Dict[str, Any]
+    shards: List[Any]
+    untrained: Any
+    records: List[Any]
+    step: int = -1
+    data_position: int = -1
+
+
+# --- the worker's side -------------------------------------------------------------------------
+
+
+def export_shard(engine: Any, rank: int) -> Tuple[Dict[str, Any], Any, Dict[str, int]]:
+    """``Worker.snapshot_shard``'s three return values: (this rank's shard, rank 0's untrained
+    state or None, a small record)."""
+    tensors, scalars = engine.export_state()
+    shard = {"tensors": {k: to_wire(v) for k, v in tensors.items()}, "scalars": scalars}
+    untrained = engine.untrained_state() if rank == 0 else None
+    return shard, untrained, {"step": engine.step_count}
+
+
+def needed_ranks(old_layout: FlatLayout, target: Tuple[Dict[str, Any], int]) -> List[int]:
+    """The old ranks whose shards hold a new worker's slices, or its per-rank values."""
+    layout_dict, rank = target
+    ranks = {c.src_rank for c in plan(old_layout, FlatLayout.from_dict(layout_dict), rank)}
+    ranks.add(min(rank, old_layout.world_size - 1))  # where a new rank takes its scalars (as a resize does)
+    return sorted(ranks)
+
+
+def assemble(old_layout_dict: Dict[str, Any], target: Tuple[Dict[str, Any], int], shard_refs: List[Any],
+             untrained_refs: List[Any]) -> Tuple[Tuple[Dict[str, torch.Tensor], Dict[str, Any]], Dict[str, Any]]:
+    """A new worker's (tensors, scalars) and untrained state from a snapshot, fetching the old
+    shards it needs one at a time (``shard_refs[r]`` is None for the ones it does not need).
+    Raises what ``ray.get`` raises when a shard is lost."""
+    old_layout = FlatLayout.from_dict(old_layout_dict)
+    assembler = PieceAssembler(FlatLayout.from_dict(target[0]))
+    for old_rank, ref in enumerate(shard_refs):
+        if ref is None:
+            continue
+        shard = ray.get(ref)
+        tensors = {k: from_wire(v) for k, v in shard["tensors"].items()}
+        assembler.add(cut_pieces(old_layout, old_rank, tensors, shard["scalars"], [target])[0])
+        del shard, tensors  # before fetching the next: one old shard at a time
+    return assembler.state(), ray.get(untrained_refs[0])
+
+
+# --- the driver's side -------------------------------------------------------------------------
+
+
+class SnapshotKeeper:
+    """The complete snapshot of a fit, if any; see [Note: in-memory snapshots]."""
+
+    def __init__(self, every: Optional[int]) -> None:
+        self.every = every
+        self.complete: Optional[Snapshot] = None
+
+    def due(self, step: int) -> bool:
+        """Whether the step that ends at step count ``step`` is followed by a snapshot."""
+        return bool(self.every) and step % self.every == 0
+
+    def promote(self, snapshot: Snapshot, step: int, data_position: int) -> None:
+        """``snapshot`` (its records were waited for) is the complete one; the one before is released."""
+        snapshot.step, snapshot.data_position = step, data_position
+        self.complete = snapshot  # the old one's refs go with it: Ray frees its objects
+
+    def drop(self) -> None:
+        self.complete = None
