@@ -10,7 +10,8 @@ the embedding, each transformer block, and the final norm with the output head. 
   (forward 2, backward 4) plus, for a block, attention's ``12 · hidden · seq_len`` (QKᵀ and AV, the
   convention of torchtitan and Megatron-LM);
 - ``act_bytes_per_token``: the block's residual activations per token at 16 bits
-  (``34 · hidden``, Korthikanti et al., attention fused) and the checkpoint kept per token
+  (``34 · hidden``, Korthikanti et al., attention fused; from a module: on the first unit of each
+  ModuleList element) and the checkpoint kept per token
   (``2 · hidden``) when activation checkpointing is on.
 
 Shapes come from a Hugging Face config (Llama and GPT-2 families), a named preset, a bare
@@ -140,7 +141,7 @@ def from_module(model_or_fn: Any, *, seq_len: int = 1024, hidden: int = 0, heads
                 wrap: Any = "auto") -> Workload:
     """Units of a real ``nn.Module`` (or a zero-argument function building one, built on the meta
     device) by the engine's own FlatLayout. A unit's ``matmul_params`` are the Linear weights its
-    modules use (a tied embedding used by a head counts there); ``attention`` marks units with an
+    modules use (a tied weight counts in the unit that owns it); ``attention`` marks units with an
     attention module when ``hidden`` is known (given, or read off nn.MultiheadAttention)."""
     import torch
 
@@ -168,8 +169,16 @@ def from_module(model_or_fn: Any, *, seq_len: int = 1024, hidden: int = 0, heads
                     break
         if isinstance(mod, torch.nn.Embedding) and id(mod.weight) in owner:
             hidden = hidden or mod.embedding_dim
-    for i, u in enumerate(layout.units):  # a block: a unit with at least two Linear layers
-        if hidden and matmul[i] >= 4 * hidden * hidden:
+    # A block is one element of an nn.ModuleList/nn.Sequential (the engine's "auto" wrap cuts there); its
+    # first unit carries the block's attention FLOPs and activations, whatever units the wrap made of it.
+    lists = {name for name, m in model.named_modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))}
+    seen = set()
+    for i, u in enumerate(layout.units):
+        parts = (u.module or "").split(".")
+        block = next((".".join(parts[:k + 1]) for k in range(len(parts)) if parts[k].isdigit()
+                      and ".".join(parts[:k]) in lists), None)
+        if block is not None and hidden and block not in seen:
+            seen.add(block)
             attention[i] = True
     units = tuple(Unit(u.module or f"unit{u.index}", u.numel, matmul[u.index], attention[u.index])
                   for u in layout.units)
