@@ -30,7 +30,7 @@ def _fits(report: StepReport, cluster: Cluster, margin: float) -> bool:
 
 def best_for_stage(w: Workload, cluster: Cluster, cfg: RunConfig, margin: float = 0.0) -> StepReport:
     """The recommended bucket size (and stage-3 window) for ``cfg.stage``: the fastest that fits,
-    or the smallest footprint when none does."""
+    or the fastest when none does (its row then says it does not fit)."""
     block = max(u.params for u in w.units) // cfg.tp * (2 if cfg.dtype != "fp32" else 4)
     windows = [k * block for k in WINDOW_BLOCKS] if cfg.stage == 3 and cfg.prefetch_bytes is None else [cfg.prefetch_bytes]
     best: Optional[Tuple[Tuple[int, float], StepReport, RunConfig]] = None
@@ -38,7 +38,7 @@ def best_for_stage(w: Workload, cluster: Cluster, cfg: RunConfig, margin: float 
         for window in windows:
             c = replace(cfg, bucket_bytes=bucket, prefetch_bytes=window)
             r = simulate(w, cluster, c)
-            key = (0 if _fits(r, cluster, margin) else 1, r.step_s if _fits(r, cluster, margin) else r.peak_bytes)
+            key = (0 if _fits(r, cluster, margin) else 1, r.step_s)
             if best is None or key < best[0]:
                 best = (key, r, c)
     assert best is not None
