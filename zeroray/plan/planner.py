@@ -85,6 +85,14 @@ def plan(w: Workload, cluster: Cluster, gpus: int, *, dtype: str = "bf16", micro
     return out
 
 
+def count(n: float) -> str:
+    """A parameter count as people write it: 6.74B, 350M, 217."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
 def _cheapest(rows: Dict[str, Any], fitting: List[int]) -> Optional[int]:
     best: Optional[int] = None
     for s in sorted(fitting):
@@ -132,14 +140,14 @@ def choose_stage(w: Workload, cluster: Cluster, gpus: int, *, dtype: str = "bf16
         fit = largest_models(cluster, gpus, dtype=dtype, seq_len=w.seq_len, micro_batch=micro_batch,
                              checkpointing=checkpointing, margin=margin, optimizer=optimizer)["3"]
         raise ValueError(
-            f"stage='auto': no ZeRO stage fits {w.params / 1e9:.3g}B parameters on {gpus} worker(s) with "
+            f"stage='auto': no ZeRO stage fits {count(w.params)} parameters on {gpus} worker(s) with "
             f"{cluster.memory_bytes / 1e9:.3g} GB each (budget {budget:.3g} GB after a {margin:.0%} margin): the "
-            f"smallest footprint is stage 3's {need:.3g} GB. What fits: about {fit / 1e9:.3g}B parameters at stage 3 "
+            f"smallest footprint is stage 3's {need:.3g} GB. What fits: about {count(fit)} parameters at stage 3 "
             f"on {gpus} worker(s)" + (f", or this model on {more} workers" if more else "") +
             "; or turn on activation_checkpointing, use dtype='bf16', or a smaller micro-batch")
     others = ", ".join(f"stage {s}: {r['memory_gb']:.3g} GB {'fits' if r['fits'] else 'does not fit'}, "
                        f"{r['step_s'] * 1e3:.3g} ms" for s, r in rows.items())
-    reason = (f"stage {stage} is the cheapest stage that fits {w.params / 1e9:.3g}B parameters in {budget:.3g} GB per "
+    reason = (f"stage {stage} is the cheapest stage that fits {count(w.params)} parameters in {budget:.3g} GB per "
               f"worker ({cluster.memory_bytes / 1e9:.3g} GB less a {margin:.0%} margin) on {gpus} worker(s) [{others}]")
     return stage, table, reason
 

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+from zeroray.plan.planner import count
+
 
 def format_plan(p: Dict[str, Any]) -> str:
     lines: List[str] = []
     if "stages" in p:
-        lines.append(f"{p['model']}: {p['params'] / 1e9:.3g}B params, seq {p['seq_len']}, micro-batch {p['micro_batch']}"
+        lines.append(f"{p['model']}: {count(p['params'])} params, seq {p['seq_len']}, micro-batch {p['micro_batch']}"
                      f" x accum {p['accum']}, {p['dtype']}, on {p['gpus']} x {p['gpu']} "
                      f"({p['gpu_memory_gb']:.3g} GB each, margin {p['margin']:.0%})" +
                      (f", tensor parallel {p['tp']}" if p["tp"] > 1 else ""))
