@@ -1,4 +1,5 @@
-"""The ``zeroray`` command: ``estimate`` (the paper's memory model), ``inspect`` and
+"""The ``zeroray`` command: ``estimate`` (the paper's memory model), ``plan`` (the step
+simulator of zeroray.plan: memory, step time and the stage per cluster), ``inspect`` and
 ``consolidate`` (checkpoint tools, implemented in zeroray.checkpoint), ``export-hf`` (a
 checkpoint as a Hugging Face model directory, implemented in zeroray.hf).
 
@@ -202,6 +203,41 @@ def _export_hf(args: argparse.Namespace) -> int:
 # --- entry point -------------------------------------------------------------------------------
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from zeroray import plan as planner
+    from zeroray.plan.report import format_plan
+
+    changes = {"gpus_per_node": args.gpus_per_node} if args.gpus_per_node else {}
+    if args.gpu_memory:
+        changes["memory_bytes"] = float(args.gpu_memory)
+    cluster = planner.cluster_preset(args.gpu, **changes)
+    seq = args.seq_len
+    if args.hf_config:
+        w = planner.from_hf_config(args.hf_config, seq)
+    elif args.model:
+        w = planner.model_preset(args.model, seq)
+    elif args.params:
+        w = planner.from_params(args.params, seq_len=seq or 1024)
+    elif not args.largest:
+        raise _UsageError("give a model: --params N, --model PRESET or --hf-config config.json (or --largest)")
+    else:
+        w = None
+    kw = dict(dtype=args.dtype, micro_batch=args.micro_batch, tp=args.tp, checkpointing=not args.no_checkpointing,
+              optimizer=args.optimizer)
+    if w is None:
+        out = {"largest": planner.largest_models(cluster, args.gpus, seq_len=seq or 1024, margin=0.0, **kw),
+               "largest_states_only": {str(s): memory.max_params_that_fit(cluster.memory_bytes, args.gpus, s,
+                                                                          args.dtype, args.optimizer)
+                                       for s in memory.STAGES},
+               "gpus": args.gpus, "gpu": cluster.name, "gpu_memory_gb": cluster.memory_bytes / GB}
+    else:
+        out = planner.plan(w, cluster, args.gpus, accum=args.accum, margin=args.margin, **kw)
+    print(json.dumps(out, indent=1) if args.json else format_plan(out))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeroray", description="ZeRO sharded training on Ray: tools.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -230,6 +266,30 @@ def _parser() -> argparse.ArgumentParser:
     act.add_argument("--batch", type=_positive_int, help="micro-batch per worker")
     act.add_argument("--heads", type=_positive_int, help="attention heads (omit for flash attention)")
     est.set_defaults(handler=_estimate)
+
+    pl = sub.add_parser("plan", help="predicted memory, step time and MFU per stage on a cluster",
+                        description="Replays the engine's schedule on paper (docs/planning.md): per stage, "
+                                    "memory per GPU, whether it fits, step time, tokens/s, MFU, the recommended "
+                                    "bucket size and window, and the largest model that fits.")
+    model = pl.add_mutually_exclusive_group()
+    model.add_argument("--params", type=_param_count, help="a GPT-shaped model of this many parameters")
+    model.add_argument("--hf-config", metavar="PATH", help="a Llama- or GPT-2-family config.json")
+    model.add_argument("--model", metavar="PRESET", help="llama-7b, llama-13b, llama-70b, llama3-8b, llama3-70b, gpt2")
+    pl.add_argument("--largest", action="store_true", help="only the largest model that fits at each stage")
+    pl.add_argument("--gpus", type=_positive_int, default=8)
+    pl.add_argument("--gpu", default="h100", help="h100, h200, v100-32gb or cpu (default h100)")
+    pl.add_argument("--gpus-per-node", type=_positive_int, default=None)
+    pl.add_argument("--gpu-memory", type=_byte_size, default=None, metavar="SIZE", help="e.g. 32GB (1e9 bytes)")
+    pl.add_argument("--dtype", choices=tuple(memory.DTYPE_BYTES), default="bf16")
+    pl.add_argument("--seq-len", type=_positive_int, default=None)
+    pl.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per GPU per micro-batch")
+    pl.add_argument("--accum", type=_positive_int, default=1, help="micro-batches per step")
+    pl.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel degree inside a node")
+    pl.add_argument("--no-checkpointing", action="store_true", help="no activation checkpointing")
+    pl.add_argument("--optimizer", type=_optimizer, default="adam")
+    pl.add_argument("--margin", type=_positive_float, default=0.1, help="memory kept free (default 0.1)")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(handler=_plan)
 
     ins = sub.add_parser("inspect", help="summarize a sharded checkpoint")
     ins.add_argument("ckpt", metavar="CKPT")

@@ -35,7 +35,9 @@ def _positive_number(cls: str, name: str, value: Any, *, allow_none: bool = Fals
 class ZeroConfig:
     """What is sharded and how the bulk tensors move.
 
-    stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters.
+    stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters, or "auto":
+        the Trainer picks the cheapest stage that fits the cluster it finds, with a margin, and
+        logs why ([Note: choosing a stage] in zeroray/plan/planner.py; runtime/auto_stage.py).
     dtype: compute dtype of parameters and gradients; the optimizer keeps an fp32 master shard.
     reduce_dtype: dtype gradients are reduced in (None: fp32).
     bucket_bytes: size of one coalescing bucket (C_B) for gradient reduction and gathers, or
@@ -78,7 +80,7 @@ class ZeroConfig:
         buffers in fp32 and compute in fp32. See [Note: mixed precision] in zeroray/engine/precision.py.
     """
 
-    stage: int = 3
+    stage: Union[int, str] = 3
     dtype: str = "fp32"
     reduce_dtype: Optional[str] = None
     bucket_bytes: Union[int, str] = DEFAULT_BUCKET_BYTES
@@ -105,8 +107,9 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         c = "ZeroConfig"
-        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
-            _fail(c, "stage", self.stage, "choose 0 (plain data parallel), 1, 2 or 3")
+        if self.stage != "auto" and (not isinstance(self.stage, int) or isinstance(self.stage, bool)
+                                     or self.stage not in (0, 1, 2, 3)):
+            _fail(c, "stage", self.stage, "choose 0 (plain data parallel), 1, 2, 3 or 'auto'")
         if self.dtype not in DTYPES:
             _fail(c, "dtype", self.dtype, f"choose one of {DTYPES}")
         if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:

@@ -39,7 +39,8 @@ def lint_imports(root: Path, *contracts: str) -> subprocess.CompletedProcess:
 
 
 def test_the_contracts_are_the_ones_the_docs_describe():
-    assert CONTRACTS == ["layers", "ray-in-runtime", "comm-no-models", "no-cycles", "tests-no-benchmarks"]
+    assert CONTRACTS == ["layers", "ray-in-runtime", "comm-no-models", "no-cycles", "tests-no-benchmarks",
+                         "plan-pure"]
 
 
 @pytest.mark.parametrize("contract", [

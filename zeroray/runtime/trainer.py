@@ -14,6 +14,7 @@ import torch
 from zeroray.layout.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
+from zeroray.runtime.auto_stage import resolve_stage
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.controller import Controller
 from zeroray.runtime.fit_eval import FitEvaluation
@@ -65,9 +66,10 @@ class Trainer:
         self.checkpoint_config = checkpoint or CheckpointConfig()
         self.seed = seed
         self.metrics_path = metrics_path
+        ensure_ray(scaling)
+        self.zero = resolve_stage(self.zero, model_fn, scaling, optimizer)  # stage="auto": the plan's choice
         spec = WorkerSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=optimizer, zero=self.zero, seed=seed,
                           param_groups=param_groups, scheduler=scheduler)
-        ensure_ray(scaling)
         self.controller = Controller(spec, scaling, self.zero)
         # Garbage collection of the Trainer releases its actors and placement group.
         self._finalizer = weakref.finalize(self, self.controller.slot.release)

@@ -1,0 +1,126 @@
+"""The step simulator (zeroray.plan): its units against the real models, its costs against their
+formulas, its memory against the paper's model, its stage-3 replay against the engine's Schedule,
+and the stage choice of ``ZeroConfig(stage="auto")``. Pure arithmetic: no Ray, no collectives."""
+import json
+
+import pytest
+import torch
+
+from zeroray import plan
+from zeroray.cli import main
+from zeroray.fetch.trace import Schedule
+from zeroray.layout.arena import FlatLayout
+from zeroray.memory import model as memory
+from zeroray.plan import replay
+from zeroray.plan.costs import Ring, dp_ring
+from tests.models import parity_model
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 101, "max_position_embeddings": 32}
+TINY_GPT2 = {"model_type": "gpt2", "n_embd": 48, "n_layer": 2, "n_head": 4, "vocab_size": 97, "n_positions": 16}
+
+
+@pytest.mark.parametrize("config", [TINY_LLAMA, TINY_GPT2], ids=["llama", "gpt2"])
+def test_hf_config_units_count_the_real_model(config):
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "model_type"},
+                                                   model_type=config["model_type"])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    w = plan.from_hf_config(config)
+    assert w.params == memory.count_params(model)
+    assert sum(u.attention for u in w.units) == w.layers
+
+
+def test_module_units_are_the_engines_layout():
+    w = plan.from_module(parity_model, seq_len=8)
+    layout = FlatLayout.from_module(parity_model(), 1, wrap="auto")
+    assert [u.params for u in w.units] == [u.numel for u in layout.units]
+    assert w.params == memory.count_params(parity_model, trainable_only=True)
+    assert all(u.matmul_params <= u.params for u in w.units)
+
+
+def test_ring_costs():
+    r = Ring(4, 1e9, 1e-5)
+    assert r.all_gather(4e9) == pytest.approx(1e-5 + 3.0)
+    assert r.all_reduce(4e9) == pytest.approx(2 * (1e-5 + 3.0))
+    assert Ring(1, 1e9, 1e-5).all_gather(1e9) == 0.0
+    h100 = plan.cluster_preset("h100")
+    assert dp_ring(h100, 8).bw == h100.intra_bw
+    assert dp_ring(h100, 64).bw == min(h100.intra_bw, h100.inter_bw)          # 8 rings share a node's NICs
+    assert dp_ring(h100, 64, tp=8).bw == pytest.approx(h100.inter_bw / 8)     # one rank per node per ring
+
+
+def test_model_states_are_the_papers():
+    w = plan.from_params(7.5e9)
+    for stage in range(4):
+        r = plan.simulate(w, plan.cluster_preset("v100-32gb"), plan.RunConfig(stage, 64, dtype="fp16"))
+        assert r.memory["states"] == memory.estimate_memory(w.params, 64, stage, "fp16", "adam")
+        assert r.peak_bytes > r.memory["states"]
+
+
+def test_stage3_replays_the_engines_schedule():
+    w = plan.model_preset("llama-7b")
+    cfg = plan.RunConfig(3, 16, accum=2)
+    sched = replay._stage3_schedule(len(w.units), [u.params * 2 for u in w.units], cfg,
+                                    replay.window_bytes(w, cfg))
+    assert isinstance(sched, Schedule) and len(sched.groups) >= len(w.units)
+    r = plan.simulate(w, plan.cluster_preset("h100"), cfg)
+    gathers = 2 * len(sched.groups)
+    assert r.collectives > gathers  # plus each micro-batch's reduce-scatters
+    no_prefetch = plan.simulate(w, plan.cluster_preset("h100", inter_bw=1e9), plan.RunConfig(3, 16, prefetch_bytes=0))
+    prefetch = plan.simulate(w, plan.cluster_preset("h100", inter_bw=1e9), plan.RunConfig(3, 16))
+    assert prefetch.exposed_comm_s < no_prefetch.exposed_comm_s
+
+
+def test_one_worker_exposes_no_communication_and_mfu_is_consistent():
+    w = plan.model_preset("llama-7b")
+    c = plan.cluster_preset("h200")
+    r = plan.simulate(w, c, plan.RunConfig(0, 1, checkpointing=False))
+    assert r.exposed_comm_s == 0.0 and r.collectives == 0 or r.exposed_comm_s < 1e-3
+    assert r.mfu == pytest.approx(w.flops_per_token * r.tokens_per_s / c.peak_flops)
+    assert r.mfu < c.achieved
+
+
+def test_slower_links_expose_more_communication():
+    w = plan.model_preset("llama-7b")
+    fast = plan.simulate(w, plan.cluster_preset("h100"), plan.RunConfig(0, 64))
+    slow = plan.simulate(w, plan.cluster_preset("h100", inter_bw=5e9), plan.RunConfig(0, 64))
+    assert slow.step_s > fast.step_s and slow.exposed_comm_s > fast.exposed_comm_s
+
+
+def test_largest_models_follow_the_stages():
+    largest = plan.largest_models(plan.cluster_preset("v100-32gb"), 64, dtype="fp16")
+    sizes = [largest[str(s)] for s in range(4)]
+    assert sizes == sorted(sizes) and sizes[0] > 1e9
+    # model states alone bound each: activations, buffers and slack only take memory away
+    for s in range(4):
+        assert sizes[s] <= memory.max_params_that_fit(32e9, 64, s, "fp16")
+
+
+def test_choose_stage():
+    w = plan.model_preset("llama-7b")
+    stage, table, reason = plan.choose_stage(w, plan.cluster_preset("h100", memory_bytes=400e9), 1)
+    assert stage == 0 and reason.startswith("stage 0 is the cheapest")  # one worker: equal steps, the simplest wins
+    stage, table, reason = plan.choose_stage(w, plan.cluster_preset("h100", memory_bytes=400e9), 8)
+    rows = table["stages"]
+    assert all(r["fits"] for r in rows.values())
+    assert rows[str(stage)]["step_s"] <= min(r["step_s"] for r in rows.values()) / (1 - plan.planner.TIE)
+    stage, table, reason = plan.choose_stage(w, plan.cluster_preset("h100", memory_bytes=50e9), 8)
+    assert stage == 3 and not table["stages"]["2"]["fits"]
+    with pytest.raises(ValueError, match=r"no ZeRO stage fits .* workers"):
+        plan.choose_stage(w, plan.cluster_preset("h100", memory_bytes=20e9), 2, checkpointing=True)
+
+
+def test_cli_largest_json(capsys):
+    assert main(["plan", "--largest", "--gpus", "64", "--gpu-memory", "32GB", "--dtype", "fp16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["largest"]) == {"0", "1", "2", "3"}
+    assert out["largest_states_only"]["3"] == memory.max_params_that_fit(32e9, 64, 3, "fp16")
+
+
+def test_cli_plan_table(capsys):
+    assert main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: stage" in out and "tok/s/GPU" in out
+    assert main(["plan", "--gpus", "8"]) == 2

@@ -1,0 +1,77 @@
+"""The cluster a plan runs on: GPUs per node, memory, peak FLOP/s, links, host costs.
+
+[Note: hardware presets]
+Each preset holds the vendor's dense 16-bit peak and the *achieved* fraction of it that a large
+transformer matmul reaches (``achieved``, a calibration input), plus ``half_tokens``: the tokens of
+a micro-batch at which a GPU reaches half of ``achieved``. Efficiency then follows
+``achieved · T / (T + half_tokens)`` for T tokens per micro-batch: small local batches use the matrix
+units badly, which is what makes the paper's 64 -> 400 GPU scaling super-linear.
+
+Link figures are effective bus bandwidths (what NCCL's ring reaches, about 80% of the wire):
+``intra_bw`` per GPU inside a node, ``inter_bw`` per node across nodes (shared by the node's GPUs);
+``launch_s`` is the host cost of launching one collective (measured: about 63 us per NCCL
+collective on the H200, docs in shared/evidence), ``hbm_bw`` bounds the optimizer step.
+The H200's ``achieved`` is calibrated from one plain single-GPU step of the evidence (808M bf16,
+8 x 1024 tokens, 87,715 tokens/s); the H100 shares its SMs; the V100's comes from Megatron-LM's
+published single-GPU 39 TFLOP/s (30% of 125) at a large batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Dict
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpus_per_node: int
+    memory_bytes: float          # per GPU (or per CPU worker)
+    peak_flops: float            # dense 16-bit (fp32 for CPU)
+    achieved: float              # fraction of peak reached by a large matmul (calibration)
+    half_tokens: float           # micro-batch tokens at half of ``achieved``
+    intra_bw: float              # bytes/s per GPU inside a node (ring bus bandwidth)
+    intra_lat: float             # seconds per ring hop inside a node
+    inter_bw: float              # bytes/s per node between nodes
+    inter_lat: float             # seconds per ring hop between nodes
+    launch_s: float              # host seconds per collective launch
+    hbm_bw: float                # bytes/s of the memory the optimizer step streams
+    fp32_ratio: float = 0.5      # fp32 matmul speed relative to the 16-bit peak (TF32 on Ampere+)
+
+    def __post_init__(self) -> None:
+        for name in ("gpus_per_node",):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"Cluster.{name}={getattr(self, name)!r} is invalid: it must be an integer >= 1")
+        for name in ("memory_bytes", "peak_flops", "achieved", "intra_bw", "inter_bw", "hbm_bw"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Cluster.{name}={getattr(self, name)!r} is invalid: it must be > 0")
+
+    def efficiency(self, tokens: float) -> float:
+        """Fraction of peak reached by a micro-batch of ``tokens`` tokens; see [Note: hardware presets]."""
+        return self.achieved * tokens / (tokens + self.half_tokens)
+
+    def with_(self, **changes: Any) -> "Cluster":
+        return replace(self, **changes)
+
+
+GPU_PRESETS: Dict[str, Cluster] = {
+    # 8 x H100 SXM per node, NVLink 4 (450 GB/s per direction), 8 x 400 Gb/s NICs per node.
+    "h100": Cluster("h100", 8, 80 * GB, 989e12, 0.495, 512, 360 * GB, 8e-6, 320 * GB, 20e-6, 63e-6, 3.35e12 * 0.8),
+    # H200: the H100's SMs with 141 GB of faster HBM.
+    "h200": Cluster("h200", 8, 141 * GB, 989e12, 0.495, 512, 360 * GB, 8e-6, 320 * GB, 20e-6, 63e-6, 4.8e12 * 0.8),
+    # DGX-2 as in the ZeRO paper: 16 x V100 32 GB on NVSwitch, 800 Gb/s between nodes.
+    "v100-32gb": Cluster("v100-32gb", 16, 32 * GB, 125e12, 0.32, 512, 120 * GB, 10e-6, 80 * GB, 30e-6, 30e-6,
+                         0.9e12 * 0.8, fp32_ratio=0.125),
+    # A CPU worker over gloo (numbers of this class of machine; calibrate with benchmarks/plan_check.py).
+    "cpu": Cluster("cpu", 1, 8 * GB, 50e9, 1.0, 1, 1 * GB, 50e-6, 1 * GB, 50e-6, 100e-6, 10 * GB, fp32_ratio=1.0),
+}
+
+
+def cluster_preset(name: str, **changes: Any) -> Cluster:
+    """A preset of [Note: hardware presets], with fields replaced by ``changes``."""
+    key = name.lower()
+    if key not in GPU_PRESETS:
+        raise ValueError(f"gpu={name!r} is not a known preset: choose one of {', '.join(GPU_PRESETS)}, or build a "
+                         "zeroray.plan.Cluster(...) with your hardware's figures")
+    return replace(GPU_PRESETS[key], **changes)
