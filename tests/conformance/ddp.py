@@ -31,12 +31,14 @@ def _worker(rank: int, world: int, blob: bytes, ports: List[int], out_dir: str) 
     from zeroray.engine.batch import split_batch
 
     torch.set_num_threads(1)
+    kept = []  # every case's DDP lives until the rank exits (harness._run_rank says why)
     for index, (case, port) in enumerate(zip(cloudpickle.loads(blob), ports)):
         store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         torch.manual_seed(case.seed)
         model = case.model_fn()()
         ddp = DDP(model, find_unused_parameters=True)
+        kept.append(ddp)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **case.config.adamw)
         loss_fn, accum = case.loss_fn(), case.config.accum
         max_norm = case.config.zero.get("max_grad_norm") or float("inf")

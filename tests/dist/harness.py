@@ -1,6 +1,7 @@
 """Run the engine in W plain torch processes (gloo), no Ray: the engine layer's test bench."""
 import gc
 import os
+import sys
 import tempfile
 import traceback
 
@@ -80,12 +81,23 @@ def record_failure(rank, out_dir):
         f.write(traceback.format_exc())
 
 
+def _run_rank(target, rank, *args):
+    """``target(rank, *args)``, then leave at once, running no destructors: a torch gloo process
+    group can deadlock in its destructor at the rank's teardown (its worker thread needs the GIL
+    to drop a Python object it captured, while the main thread holds the GIL and joins that
+    thread: seen in the DDP ranks under load). What a rank produces is in its files by then."""
+    target(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_ranks(target, world, args, out_dir, join_s):
     """Run ``target(rank, *args, out_dir)`` in ``world`` spawned processes and wait for them. A
     rank that fails writes its traceback to ``out_dir/error<rank>.txt`` (as ``_worker`` does);
     any such file or non-zero exit raises, with every traceback, after the others are killed."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(r, *args, out_dir)) for r in range(world)]
+    procs = [ctx.Process(target=_run_rank, args=(target, r, *args, out_dir)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
