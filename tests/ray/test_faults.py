@@ -67,7 +67,7 @@ def gated_loss(gate_dir, model, batch):
     return slow_rank_loss(model, batch)
 
 
-def _wait_for(condition, what, timeout_s=120.0):
+def wait_for(condition, what, timeout_s=120.0):
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
@@ -75,7 +75,7 @@ def _wait_for(condition, what, timeout_s=120.0):
         time.sleep(0.02)
 
 
-def _pid_gone(pid):
+def pid_gone(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] == "Z"  # a zombie holds nothing and runs nothing
@@ -137,7 +137,7 @@ def _check_recovered(trainer, data, results, ref_state, old_ids, old_pids, resum
 def _kill_actor(actor):
     """ray.kill, then wait until the actor is dead: the step fit dispatches next finds it gone."""
     ray.kill(actor)
-    _wait_for(lambda: _actor_dead(actor), "the killed actor to be dead")
+    wait_for(lambda: _actor_dead(actor), "the killed actor to be dead")
 
 
 def test_ray_kill_mid_fit_recovers_then_max_failures_raises(ray_local, reference, tmp_path):
@@ -179,10 +179,10 @@ def test_sigkill_mid_fit_recovers_then_hung_collective_raises(ray_local, referen
             (gate_dir / "gate").write_text(f"{pid} {target}")
 
             def killer():
-                _wait_for((gate_dir / "blocked").exists, "worker 1 to block in loss_fn")
+                wait_for((gate_dir / "blocked").exists, "worker 1 to block in loss_fn")
                 landed["batch"] = (gate_dir / "blocked").read_text()
                 os.kill(pid, signal.SIGKILL)
-                _wait_for(lambda: _pid_gone(pid), "the killed worker's process to exit")
+                wait_for(lambda: pid_gone(pid), "the killed worker's process to exit")
                 (gate_dir / "gate").unlink()
             threading.Thread(target=killer, daemon=True).start()
 

@@ -58,7 +58,7 @@ def recording_loss(log_dir, model, batch):
     return lm_loss(model, (batch["idx"], batch["tgt"]))
 
 
-def _wait_for(condition, what, timeout_s=120.0):
+def wait_for(condition, what, timeout_s=120.0):
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -92,7 +92,7 @@ def test_recovery_mid_fit_on_a_dataset_replays_the_same_rows(ray_local, tmp_path
         (chaos / "gate").write_text(f"{pid}:{' '.join(want[1][KILL_STEP - 1])}")
 
         def killer():
-            _wait_for((chaos / "blocked").exists, "worker 1 to block in its step-6 batch")
+            wait_for((chaos / "blocked").exists, "worker 1 to block in its step-6 batch")
             os.kill(pid, signal.SIGKILL)
         threading.Thread(target=killer, daemon=True).start()
         results = trainer.fit(_dataset(), batch_size=GLOBAL, progress=False)

@@ -20,7 +20,7 @@ import torch
 
 import zeroray as zr
 from tests.models import lm_loss, make_batches, parity_model
-from tests.ray.test_faults import KillingData, _pid_gone, _wait_for, fingerprint, gated_loss
+from tests.ray.test_faults import KillingData, pid_gone, wait_for, fingerprint, gated_loss
 
 STEPS = 8
 MORE = 4      # the second fit's steps
@@ -46,11 +46,11 @@ def _arm_kill(trainer, gate_dir, batch, before_kill=lambda: None):
         (gate_dir / "gate").write_text(f"{pid} {target}")
 
         def killer():
-            _wait_for((gate_dir / "blocked").exists, "worker 1 to block in loss_fn")
+            wait_for((gate_dir / "blocked").exists, "worker 1 to block in loss_fn")
             landed["batch"] = (gate_dir / "blocked").read_text()
             before_kill()
             os.kill(pid, signal.SIGKILL)
-            _wait_for(lambda: _pid_gone(pid), "the killed worker's process to exit")
+            wait_for(lambda: pid_gone(pid), "the killed worker's process to exit")
             (gate_dir / "gate").unlink()
             (gate_dir / "blocked").unlink()
         threading.Thread(target=killer, daemon=True).start()
@@ -69,7 +69,7 @@ def _lose(snapshot):
     owner = _Owner.remote()
     ref = ray.get(owner.put.remote())[0]
     ray.kill(owner)
-    _wait_for(lambda: _raises(owner), "the owner to die")
+    wait_for(lambda: _raises(owner), "the owner to die")
     snapshot.shards[1] = ref
 
 

@@ -152,6 +152,17 @@ def test_process_memory_runs_engine_work_on_one_thread():
     memory.close()
 
 
+def _run_each(script, modes):
+    """{mode: the JSON ``script`` prints} for each mode, each in a fresh process (its own allocator)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    grew = {}
+    for mode in modes:
+        out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, env=env,
+                             check=True, timeout=120)
+        grew[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    return grew
+
+
 # A step's pattern in miniature: a large block freed first (glibc raises its mmap threshold to
 # it), then blocks below that size kept and dropped in turn, as activations and temporaries are.
 _HOLES = """
@@ -176,12 +187,7 @@ def test_the_fixed_mmap_threshold_returns_freed_blocks():
     """[Note: process memory]: with glibc's own threshold the freed 8 MiB blocks stay resident as
     holes between the kept ones; with the threshold fixed they go back to the OS, and the RSS
     grows by the kept bytes only."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    grew = {}
-    for mode in ("dynamic", "fixed"):
-        out = subprocess.run([sys.executable, "-c", _HOLES, mode], capture_output=True, text=True, env=env,
-                             check=True, timeout=120)
-        grew[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    grew = _run_each(_HOLES, ("dynamic", "fixed"))
     (dynamic, kept), (fixed, _) = grew["dynamic"], grew["fixed"]
     assert kept == 20 * 2**23
     assert fixed < kept + 16 * 2**20, grew
@@ -216,12 +222,7 @@ def test_mapped_blocks_return_only_unit_buffers_to_the_os():
     to the OS when freed, so the RSS grows by the kept bytes only; blocks allocated outside it
     (activations) come from the heap as with glibc's raised threshold, holes and all, so the
     steps do not fault them in afresh."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    grew = {}
-    for where in ("inside", "outside"):
-        out = subprocess.run([sys.executable, "-c", _MAPPED, where], capture_output=True, text=True, env=env,
-                             check=True, timeout=120)
-        grew[where] = json.loads(out.stdout.strip().splitlines()[-1])
+    grew = _run_each(_MAPPED, ("inside", "outside"))
     (active, inside, kept), (_, outside, _) = grew["inside"], grew["outside"]
     assert active and kept == 20 * HEAP_THRESHOLD // 2
     assert inside < kept + 4 * HEAP_THRESHOLD // 2, grew
