@@ -28,7 +28,7 @@ def test_access_is_on_only_while_a_publish_is_in_flight():
         return real_loss(model, batch)
 
     engine = Engine(FACTORIES["mha"], loss_fn, zr.AdamW(**ADAMW), zr.ZeroConfig(stage=2), SoloGroup())
-    plain, seeing = {torch.nn.Parameter}, {engine.access.cls}
+    plain, seeing = {torch.nn.Parameter}, {engine.coordinator.access.cls}
     assert {type(p) for p in engine.model.parameters()} == plain  # nothing gathering yet
     batches = real_batches(2, batch=4)
     engine.train_step(batches[0])

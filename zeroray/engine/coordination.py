@@ -8,7 +8,7 @@ so the step never asks which stage it runs.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -16,7 +16,6 @@ from zeroray.comm.buckets import GradBuckets
 from zeroray.comm.group import Group
 from zeroray.comm.waiter import Waiter
 from zeroray.config import ZeroConfig
-from zeroray.fetch.access import ParameterAccess
 from zeroray.fetch.factory import Coordinator
 from zeroray.fetch.factory import build_coordinator as build_fetch_coordinator
 from zeroray.fetch.hooks import HookedModules
@@ -92,9 +91,10 @@ class NullCoordinator:
 
 def build_coordinator(policy: StagePolicy, model: torch.nn.Module, layout: FlatLayout, storage, group: Group,
                       waiter: Waiter, zero: ZeroConfig, named: Dict[str, torch.nn.Parameter],
-                      reducer: GradBuckets) -> Tuple[Coordinator, Optional[ParameterAccess]]:
-    """(the coordinator, the trainable parameters' access class or None at stage 0). Built
-    before any user callback may read a parameter.
+                      reducer: GradBuckets) -> Coordinator:
+    """The coordinator of ``policy``'s stage (a ``NullCoordinator`` at stage 0), with its
+    parameters' access class installed where it needs one. Built before any user callback may
+    read a parameter; its ``remove`` also gives the parameters their plain class back.
 
     The reducer's part in stage 3's fetch protocol goes in as the coordinator's callbacks:
     without independent channels (NCCL) a negotiated micro-batch holds its reductions until
@@ -107,9 +107,7 @@ def build_coordinator(policy: StagePolicy, model: torch.nn.Module, layout: FlatL
         {n: named[n] for n in layout.param_names},
         on_negotiate=(lambda: None) if independent else reducer.hold_until_finish,
         before_done_rounds=reducer.launch_all if independent else (lambda: None))
-    if coordinator is None:
-        return NullCoordinator(), None
-    return coordinator, coordinator.access  # installed by the coordinator ([Note: parameter access])
+    return NullCoordinator() if coordinator is None else coordinator
 
 
 def hooked_modules(model: torch.nn.Module, layout: FlatLayout

@@ -89,8 +89,8 @@ class Engine:
                                    unit_order=default_unit_order(self.layout), timed=zero.buckets_planned,
                                    wait=self.waiter)
         # before any user callback (param_groups) may read a parameter
-        self.coordinator, self.access = build_coordinator(policy, self.model, self.layout, s, group, self.waiter,
-                                                          zero, named, self.reducer)
+        self.coordinator = build_coordinator(policy, self.model, self.layout, s, group, self.waiter,
+                                             zero, named, self.reducer)
         segments = build_segments(local_spans(s.param_spans(), named, param_groups), self.master.numel(),
                                   breaks=self.master.breaks())
         self.optimizer = ShardedOptimizer(optimizer, self.master, self.grad, segments, zero.max_grad_norm, scheduler,
@@ -231,8 +231,8 @@ class Engine:
             self.coordinator.flush()
 
     def fetch_stats(self) -> Dict[str, Any]:
-        """Stage 3's fetch counters of the last step (empty at stages 0-2)."""
-        return dict(self.coordinator.stats) if self.policy.reshard_after_use else {}
+        """Stage 3's fetch counters of the last step (empty at stages 0-2: their coordinators count nothing)."""
+        return dict(self.coordinator.stats)
 
     # --- evaluation and inference: [Note: inference calls] in engine/inference.py -------------------
 
@@ -291,9 +291,7 @@ class Engine:
         """Release everything the engine attached to the model, so that it and its memory can go."""
         self.flush()
         self.grads.remove()
-        self.coordinator.remove()
-        if self.access is not None:
-            self.access.remove()
+        self.coordinator.remove()  # its parameter access too
         self._restore_forwards()
         self._restore_precision()
         self.activations.inner = None
