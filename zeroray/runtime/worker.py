@@ -187,11 +187,11 @@ class Worker:
 
         report = measure(self.engine, self.memory.report())
         report["rank"] = self.rank
+        report["rss_bytes"] = current_rss_bytes()  # before the export below allocates its copies
         # What one in-memory snapshot of this rank takes in the object store, outside this process
         # (FailureConfig(snapshot_every), [Note: in-memory snapshots]): 1/N of the model states.
         tensors, _ = self.engine.export_state()
         report["snapshot_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
-        report["rss_bytes"] = current_rss_bytes()
         return report
 
     # --- state -----------------------------------------------------------------------------
