@@ -83,9 +83,10 @@ def pid_gone(pid):
         return True
 
 
-def _actor_dead(actor):
+def actor_dead(actor, probe="node_info", timeout_s=30):
+    """Whether a call of ``actor``'s method ``probe`` fails because the actor is gone."""
     try:
-        ray.get(actor.node_info.remote(), timeout=30)
+        ray.get(getattr(actor, probe).remote(), timeout=timeout_s)
         return False
     except ray.exceptions.RayActorError:
         return True
@@ -137,7 +138,7 @@ def _check_recovered(trainer, data, results, ref_state, old_ids, old_pids, resum
 def _kill_actor(actor):
     """ray.kill, then wait until the actor is dead: the step fit dispatches next finds it gone."""
     ray.kill(actor)
-    wait_for(lambda: _actor_dead(actor), "the killed actor to be dead")
+    wait_for(lambda: actor_dead(actor), "the killed actor to be dead")
 
 
 def test_ray_kill_mid_fit_recovers_then_max_failures_raises(ray_local, reference, tmp_path):

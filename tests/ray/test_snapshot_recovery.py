@@ -20,7 +20,7 @@ import torch
 
 import zeroray as zr
 from tests.models import lm_loss, make_batches, parity_model
-from tests.ray.test_faults import KillingData, pid_gone, wait_for, fingerprint, gated_loss
+from tests.ray.test_faults import KillingData, actor_dead, pid_gone, wait_for, fingerprint, gated_loss
 
 STEPS = 8
 MORE = 4      # the second fit's steps
@@ -69,16 +69,8 @@ def _lose(snapshot):
     owner = _Owner.remote()
     ref = ray.get(owner.put.remote())[0]
     ray.kill(owner)
-    wait_for(lambda: _raises(owner), "the owner to die")
+    wait_for(lambda: actor_dead(owner, "put", timeout_s=5), "the owner to die")
     snapshot.shards[1] = ref
-
-
-def _raises(owner):
-    try:
-        ray.get(owner.put.remote(), timeout=5)
-        return False
-    except ray.exceptions.RayActorError:
-        return True
 
 
 @pytest.mark.parametrize("stage", [1])  # collective import (stages 1-2): the two-phase restore matters
