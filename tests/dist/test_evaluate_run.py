@@ -198,6 +198,7 @@ def _reference_eval(weights, buffers, rank, train_mode=False):
     model = DropBN()
     model.load_state_dict({**_full(weights, model), **buffers})
     model.train(train_mode)
+    torch.manual_seed(0)  # train mode draws dropout masks: the same ones whatever ran in this process before
     with torch.no_grad():
         return [{"loss": ce_loss(model, split_batch(b, WORLD)[rank]).item(),
                  **{k: float(v) for k, v in accuracy(model, split_batch(b, WORLD)[rank]).items()}} for b in EVAL]
