@@ -237,3 +237,43 @@ def test_mapped_blocks_return_only_unit_buffers_to_the_os():
     assert inside_mapped >= kept, grew  # every kept block is a mapping of its own
     assert inside < kept + 4 * HEAP_THRESHOLD // 2, grew  # and the freed ones went back to the OS
     assert outside_mapped < HEAP_THRESHOLD // 2, grew  # outside mapped(), none is: the heap serves them
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+# A stage-3 unit buffer's life: mapped, advised (or not), written as a gather writes it, freed.
+_HUGE = """
+import json, resource, sys, torch
+from zeroray.memory.process import MappedBlocks, current_rss_bytes
+blocks, n = MappedBlocks(), (64 << 20) // 4
+src = torch.ones(n)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+with blocks.mapped():
+    t = torch.empty(n)
+advised = blocks.huge_pages(t) if sys.argv[1] == "huge" else False
+t.copy_(src)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+held = current_rss_bytes()
+del t
+print(json.dumps([advised, faults, held - current_rss_bytes()]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() == "never",
+                    reason="glibc's allocator and the kernel's transparent huge pages")
+def test_unit_buffers_fault_in_huge_pages_and_still_go_back():
+    """[Note: process memory]: a buffer mapped by ``mapped()`` and advised by ``huge_pages`` is
+    faulted in 2 MiB at a time where it covers whole huge pages (a mapping starts and ends off a
+    2 MiB boundary, so up to 2 x 512 faults at its edges, against 4 KiB pages' 16,384 for
+    64 MiB), and its memory still goes back to the OS when it is freed."""
+    grew = _run_each(_HUGE, ("huge", "small"))
+    (advised, huge_faults, huge_back), (_, small_faults, small_back) = grew["huge"], grew["small"]
+    assert advised and small_faults > 16000, grew  # the control: 4 KiB pages, one fault each
+    assert huge_faults < 2 * 512 + 200, grew
+    assert huge_back >= 63 << 20 and small_back >= 63 << 20, grew  # both returned to the OS when freed
