@@ -203,8 +203,8 @@ class ZeroConfig:
                                                          "or leave offload_dir None")
             object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
         value = self.offload_chunk_bytes
-        if not isinstance(value, int) or isinstance(value, bool) or value < 4096:
-            _fail(c, "offload_chunk_bytes", value, "it must be a number of bytes (an int >= 4096)")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 256:
+            _fail(c, "offload_chunk_bytes", value, "it must be a number of bytes (an int >= 256)")
 
     @property
     def reduce_dtype_name(self) -> str:
