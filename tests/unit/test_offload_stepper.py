@@ -3,6 +3,7 @@ same ShardedOptimizer in memory: bitwise equal parameters and state, for Adam, A
 not), SGD with momentum, chunks smaller than a segment, parameters left unused, and a state
 export -> import round trip. The files are real files in a temporary directory."""
 import os
+import subprocess
 
 import pytest
 import torch
@@ -63,8 +64,12 @@ def test_disk_step_equals_memory_step(tmp_path, name, chunk_bytes):
     assert in_memory <= 3 * len(off.disk.keys) * off.disk.chunk_elems + len(off.pieces.pieces)
     stats = off.offload_stats()
     assert stats["steps"] == 5 and stats["bytes_written"] > 0 and stats["bytes_read"] > 0
+    assert os.listdir(tmp_path) == []  # open but unlinked: nothing is left behind, however the process ends
+    fds = list(off.disk.files.fds.values())
+    assert all(os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path)) for fd in fds)
     off.close()
-    assert os.listdir(tmp_path) == []  # scratch removed
+    assert not any(os.path.exists(f"/proc/self/fd/{fd}") and str(tmp_path) in os.readlink(f"/proc/self/fd/{fd}")
+                   for fd in fds)
 
 
 def test_export_import_round_trip(tmp_path):
@@ -95,6 +100,23 @@ def test_unwritable_offload_dir_is_a_clear_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(OffloadError, match="cannot be used .*Not a directory.*offload_dir"):
         _optimizer(SPECS["adamw_fused"], blocker / "offload")
+
+
+def test_a_full_file_system_fails_the_allocation(tmp_path):
+    """A real small file system (a 64 KiB tmpfs; skipped where mounting is not allowed): the
+    allocation up front fails with ENOSPC, before any state exists, and leaves nothing behind."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs is not allowed here")
+    try:
+        with pytest.raises(OffloadError, match=r"is full \(No space left on device, .* MiB free there\) while "
+                                               r"allocating 8.0 MiB"):
+            StateFiles(str(small), 0, 2**20, ["exp_avg", "exp_avg_sq"])
+        assert os.listdir(small) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
 
 
 def test_a_full_device_is_reported_as_full(tmp_path):

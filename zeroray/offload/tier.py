@@ -3,7 +3,8 @@
 Each worker makes a folder of its own under ``offload_dir`` and, in it, one file per state key
 (``exp_avg``, ``exp_avg_sq``, ...) of ``numel`` fp32 elements, addressed by the offset in the
 rank's flat master: element ``i`` of a piece at master ``[start, end)`` is at byte ``4 * (start +
-i)``, so splitting the optimizer's pieces ([Note: unused parameters] in engine/flat_pieces.py)
+i)``. It unlinks the files (and the folder) as soon as they are open, so that no scratch
+outlives the process, however it ends (closed, killed by Ray, SIGKILL). Splitting the optimizer's pieces ([Note: unused parameters] in engine/flat_pieces.py)
 never moves state between files. The files are allocated in full when the tier is made
 (``posix_fallocate``), so that a directory that cannot hold them fails there, before any
 training state exists that a failure could lose ([Note: disk offload] in offload/stepper.py).
@@ -81,6 +82,12 @@ class StateFiles:
                 self.close()
                 raise offload_error(parent, f"allocating {nbytes * len(self.keys) / 2**20:.1f} MiB of optimizer "
                                             f"state ({len(self.keys)} file(s) of {nbytes} bytes)", error) from error
+        # Unlinked while open: the files live as long as this process holds them, so nothing is
+        # left behind however the worker ends (closed, killed by Ray, SIGKILL); their space shows
+        # in the file system's usage (df), not in a listing.
+        for key in self.keys:
+            os.unlink(os.path.join(self.folder, f"{key}.f32"))
+        os.rmdir(self.folder)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zeroray-offload")
         self._lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0
@@ -137,7 +144,7 @@ class StateFiles:
         self.write(key, start, src.detach().to(torch.float32).contiguous()).result()
 
     def close(self) -> None:
-        """Stop the pool and remove the folder with its files (they are scratch)."""
+        """Stop the pool and close the files, which frees their space (they are scratch)."""
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
