@@ -11,7 +11,7 @@ size with a random gradient, takes one step (torch makes the state lazily: not t
   parameter;
 - zr memory: zeroray's ShardedOptimizer over the parameter as one segment (zr.AdamW: the fused
   kernel), state in memory;
-- zr disk: the same with offload="disk" in the default chunks (64 MiB of state per chunk,
+- zr disk: the same with offload="disk" in the default chunks (16 MiB of state per chunk,
   offload/stepper.py), the state files in ``--dir`` (default: the system's temporary directory).
   Its reads are served by the page cache when the files fit in it (they do here);
 - zr disk cold: the same, but after each step the files are flushed and dropped from the page

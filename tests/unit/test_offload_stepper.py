@@ -34,6 +34,7 @@ def _optimizer(spec, folder=None, chunk_bytes=512):
 def _run(opt, steps, unused_at=()):
     gen = torch.Generator().manual_seed(0)
     for i in range(steps):
+        opt.prefetch()  # as the engine does at a step's start (offloaded: reads the first chunks ahead)
         opt.grad.copy_(torch.randn(N, generator=gen))
         opt.step(float(opt.grad.norm()), unused_at[i] if i < len(unused_at) else ())
 

@@ -130,6 +130,7 @@ class Engine:
         k = self.zero.grad_accum_steps
         self.group.counter.reset()
         self.grad.zero_()
+        self.optimizer.prefetch()
         self.grads.begin_step()
         self.coordinator.begin_step()
         scale = self.scaler.scale if self.scaler else 1.0

@@ -215,6 +215,12 @@ class ShardedOptimizer:
         if self.scheduler is not None:
             self.scheduler.step()
 
+    def prefetch(self) -> None:
+        """Offloaded: start reading the next step's first chunks of state (at the step's start, so
+        that the reads run during forward and backward)."""
+        if self.disk is not None:
+            self.disk.prefetch(self.pieces.pieces)
+
     def offload_stats(self) -> Dict[str, float]:
         """The disk tier's I/O totals (offload/stepper.py's ``stats``); empty without one."""
         return self.disk.stats() if self.disk is not None else {}

@@ -25,9 +25,18 @@ yet (never stepped: torch makes state lazily) reads nothing and lets torch make 
 state, which is then written like the rest. An optimizer whose state is not per element
 (shaped otherwise than its parameter) is refused: chunks would change what it computes.
 
+Across steps the I/O runs behind the model's compute too: the engine calls ``prefetch`` when
+a step starts, which reads the first two chunks into their slots while forward and backward
+run (the step uses them when its chunks are the ones foreseen: no piece split, none skipped;
+otherwise it reads again), and a step returns without waiting for its last writes, which
+finish behind the next forward (``pending``). Every read waits, on the pool's thread, for the
+writes still pending, so it never sees stale state; exports, imports and ``close`` wait for
+everything first (``drain``). A write that failed fails the read after it, so the error
+surfaces in the next step at the latest.
+
 What is measured (``stats``): the bytes read and written, the time the pool's threads spent in
-I/O, and the time the step waited for it; ``1 - wait / io`` is the share of the disk time hidden
-behind the optimizer's compute.
+I/O, and the time the engine's thread waited for it; ``1 - wait / io`` is the share of the disk
+time hidden behind compute.
 
 Failures: the files are allocated in full before the first step (offload/tier.py), so a full
 or unwritable ``offload_dir`` stops the engine from being built, with nothing to lose. An I/O
@@ -83,6 +92,8 @@ class DiskStepper:
         # when its start lies in one. Kept here, not in inner.state, because an optimizer whose
         # only state is per element (SGD's momentum_buffer) leaves nothing else to tell by.
         self.held: List[Tuple[int, int]] = []
+        self.pending: List[Future] = []  # the last step's writes, perhaps still running
+        self.prefetched: Dict[int, Tuple[Tuple[Any, int, int], List[Future]]] = {}  # chunk -> (what, reads)
 
     def holds(self, pc: Any) -> bool:
         return any(a <= pc.start < b for a, b in self.held)
@@ -99,31 +110,69 @@ class DiskStepper:
 
     # --- one step ---------------------------------------------------------------------------
 
+    def _plan(self, pieces: Sequence[Any]) -> List[Tuple[Any, int, int]]:
+        """The chunks (piece, start, end) of the pieces with a gradient, in order."""
+        return [(pc, a, min(a + self.chunk_elems, pc.end)) for pc in pieces if pc.param.grad is not None
+                for a in range(pc.start, pc.end, self.chunk_elems)]
+
+    def _read(self, i: int, pc: Any, a: int, b: int) -> List[Future]:
+        """Start reading chunk ``i`` = master [a, b) of piece ``pc`` into its slot (after the
+        writes still pending from the last step, which may cover the same range)."""
+        slot = self.slots[i % SLOTS]
+        return [self.files.read(k, a, slot[k][:b - a], after=self.pending) for k in self.keys]
+
+    def prefetch(self, pieces: Sequence[Any]) -> None:
+        """Start reading the first chunks of the next step into their slots, so that the reads
+        run during forward and backward; ``step`` uses them if its chunks turn out the same
+        (no piece split, none skipped), and reads again otherwise."""
+        self._drop_prefetch()
+        for i, (pc, a, b) in enumerate(self._plan(pieces)[:SLOTS - 1]):
+            if self.holds(pc):
+                self.prefetched[i] = ((pc.param, a, b), self._read(i, pc, a, b))
+
+    def _drop_prefetch(self) -> None:
+        for _, futures in self.prefetched.values():
+            self._wait(futures)
+        self.prefetched = {}
+
+    def drain(self) -> None:
+        """Wait for every read and write in flight: the files are then current (an export, an
+        import, the end)."""
+        self._drop_prefetch()
+        pending, self.pending = self.pending, []
+        self._wait(pending)
+
     def step(self, inner: torch.optim.Optimizer, pieces: Sequence[Any]) -> None:
         """``inner.step()`` over ``pieces`` (each with ``start``, ``end``, ``param``), one chunk at
         a time, the state moving through the slots. A piece whose ``param.grad`` is None is
-        skipped, as torch skips it."""
+        skipped, as torch skips it. The last chunks' writes are left running (``pending``)."""
         t0 = time.perf_counter()
-        active = [pc for pc in pieces if pc.param.grad is not None]
+        chunks = self._plan(pieces)
+        active = list({id(pc.param): pc for pc, _, _ in chunks}.values())
         grads = {id(pc.param): pc.param.grad for pc in active}
         stateful = {id(pc.param): self.holds(pc) for pc in active}
         group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
-        chunks = [(pc, a, min(a + self.chunk_elems, pc.end)) for pc in active
-                  for a in range(pc.start, pc.end, self.chunk_elems)]
         reads: List[List[Future]] = [[] for _ in chunks]
         writes: List[List[Future]] = [[] for _ in chunks]
+        prefetched, self.prefetched = self.prefetched, {}
 
         def read(i: int) -> None:
             pc, a, b = chunks[i]
-            if stateful[id(pc.param)]:
-                slot = self.slots[i % SLOTS]
-                reads[i] = [self.files.read(k, a, slot[k][:b - a]) for k in self.keys]
+            ahead = prefetched.pop(i, None)
+            if ahead is not None and ahead[0][0] is pc.param and ahead[0][1:] == (a, b):
+                reads[i] = ahead[1]
+            elif stateful[id(pc.param)]:
+                if ahead is not None:
+                    self._wait(ahead[1])  # read for other chunks: let it end before the slot is reused
+                reads[i] = self._read(i, pc, a, b)
 
         for pc in active:
             pc.param.grad = None
         try:
             for i in range(min(SLOTS - 1, len(chunks))):
                 read(i)
+            for _, futures in prefetched.values():
+                self._wait(futures)
             for i, (pc, a, b) in enumerate(chunks):
                 self._wait(reads[i])
                 state = self._step_chunk(inner, group_of[id(pc.param)], pc, a, b, grads[id(pc.param)],
@@ -136,14 +185,17 @@ class DiskStepper:
                     if i >= 1:
                         self._wait(writes[i - 1])  # its slot is the one chunk i + 2 reads into
                     read(i + SLOTS - 1)
-            for ws in writes:
-                self._wait(ws)
+            # Writes still running go on behind the next forward; whatever reads next waits for them.
+            self.pending = [f for f in [*self.pending, *(f for ws in writes for f in ws)] if not f.done()]
+        except BaseException:
+            for fs in [*reads, *writes, self.pending]:  # nothing may still write into the slots
+                for f in fs:
+                    f.exception()
+            self.pending = []
+            raise
         finally:
             for pc in active:
                 pc.param.grad = grads[id(pc.param)]
-            for fs in reads + writes:  # after a failure: nothing may still write into the slots
-                for f in fs:
-                    f.exception()
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
 
@@ -187,12 +239,14 @@ class DiskStepper:
         files), or None when it has none."""
         if not self.holds(pc):
             return None
+        self.drain()
         return {**inner.state.get(pc.param, {}), **{k: self.files.read_now(k, pc.start, pc.end) for k in self.keys}}
 
     @contextlib.contextmanager
     def loaded(self, inner: torch.optim.Optimizer, pieces: Sequence[Any]) -> Iterator[None]:
         """Within: ``inner.state`` holds every piece's full state, read from the files (for an
         export, which copies it out); after: the scalars only again."""
+        self.drain()
         saved = {}
         for pc in pieces:
             state = self.piece_state(inner, pc)
@@ -208,6 +262,7 @@ class DiskStepper:
     def spill(self, inner: torch.optim.Optimizer, pieces: Sequence[Any]) -> None:
         """Move every piece's per-element state from ``inner.state`` into the files (after a
         ``load_state_dict``), keeping the scalars in memory."""
+        self.drain()
         self.held = []
         for pc in pieces:
             state = inner.state.get(pc.param)
@@ -231,7 +286,10 @@ class DiskStepper:
                 "chunk_elems": self.chunk_elems, "buffer_bytes": len(self.buffers()) * self.chunk_elems * ELEMENT_BYTES}
 
     def close(self) -> None:
-        self.files.close()
+        try:
+            self.drain()
+        finally:
+            self.files.close()
 
 
 def chunk_elements(chunk_bytes: int, keys: Sequence[str]) -> int:

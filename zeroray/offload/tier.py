@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -95,15 +95,20 @@ class StateFiles:
 
     # --- asynchronous reads and writes ------------------------------------------------------
 
-    def read(self, key: str, start: int, out: torch.Tensor) -> Future:
-        """Fill the 1D fp32 CPU tensor ``out`` with elements [start, start + out.numel())."""
-        return self.pool.submit(self._io, self._read, key, start, out)
+    def read(self, key: str, start: int, out: torch.Tensor, after: Sequence[Future] = ()) -> Future:
+        """Fill the 1D fp32 CPU tensor ``out`` with elements [start, start + out.numel()), once the
+        operations ``after`` have ended (waited for on the pool's thread, not the caller's: the
+        pool starts its tasks in order, so those have started before this one and it cannot
+        wait on a task that waits for a thread)."""
+        return self.pool.submit(self._io, self._read, key, start, out, list(after))
 
     def write(self, key: str, start: int, src: torch.Tensor) -> Future:
         """Write the 1D fp32 CPU tensor ``src`` at elements [start, start + src.numel())."""
-        return self.pool.submit(self._io, self._write, key, start, src)
+        return self.pool.submit(self._io, self._write, key, start, src, [])
 
-    def _io(self, op, key: str, start: int, tensor: torch.Tensor) -> None:
+    def _io(self, op, key: str, start: int, tensor: torch.Tensor, after: List[Future]) -> None:
+        for future in after:
+            future.result()  # a failed write fails the read that follows it
         t0 = time.perf_counter()
         view = memoryview(tensor.detach().numpy()).cast("B")
         try:
