@@ -94,6 +94,23 @@ def test_export_import_round_trip(tmp_path):
     assert all(torch.equal(rt2[k], ot2[k]) for k in rt2)
 
 
+class RowStateSGD(torch.optim.SGD):
+    """Keeps one value per parameter (a norm, as LAMB-like optimizers do): not elementwise."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["norm"] = p.grad.norm().reshape(1)
+        return super().step(closure)
+
+
+def test_a_not_elementwise_optimizer_is_refused_before_any_step(tmp_path):
+    with pytest.raises(ValueError, match=r"state 'norm' of shape \(1,\).*needs it per element"):
+        _optimizer(lambda groups: RowStateSGD(groups, lr=0.1), tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
 def test_unwritable_offload_dir_is_a_clear_error(tmp_path):
     """A path under a regular file (root ignores permission bits, not that): the optimizer is
     not built, nothing else was touched."""

@@ -75,6 +75,11 @@ def element_keys(builder: Callable[[List[dict]], torch.optim.Optimizer], overrid
         for k, v in optimizer.state.get(probe, {}).items():
             if isinstance(v, torch.Tensor) and v.shape == probe.shape:
                 keys[k] = None
+            elif isinstance(v, torch.Tensor) and v.dim() > 0:
+                raise ValueError(f"the optimizer keeps state {k!r} of shape {tuple(v.shape)} for a parameter of "
+                                 f"shape {tuple(probe.shape)}: offload='disk' steps the state in chunks, which "
+                                 "needs it per element; use an elementwise optimizer (Adam, AdamW, SGD, ...) "
+                                 "or offload=None")
     return list(keys)
 
 
