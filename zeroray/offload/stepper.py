@@ -41,8 +41,10 @@ time hidden behind compute.
 Failures: the files are allocated in full before the first step (offload/tier.py), so a full
 or unwritable ``offload_dir`` stops the engine from being built, with nothing to lose. An I/O
 error during a step (a disk that fails later) raises ``OffloadError`` from the step; part of the
-master is then updated and part not, so the worker's state is no longer a step's: the run
-resumes from its last checkpoint, which holds the truth (the files are scratch).
+master is then updated and part not, so the worker's state is no longer a step's, and the other
+workers' steps were applied: continue from the last checkpoint (``zr.Trainer.restore``), which
+holds the truth (the files are scratch). The runtime does not yet do that by itself: it reports
+the error as the worker's own, like any error in user code.
 Checkpoints read the files into the flat tensors they export, and an import writes them back
 (``loaded``, ``spill``).
 """
