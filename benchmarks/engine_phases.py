@@ -10,7 +10,9 @@ by ZeroConfig overrides as JSON. Per row it prints rank 0's medians over the tim
 seconds: fwd (loss_fn), bwd (the rest: backward with the gradient hooks, and the step's status
 all-reduce), finish (the last buckets), norm (this rank's squared norm), opt, publish (stages 1-2
 gather launch), total; for zeroray also ``exposed`` and ``comm``
-(comm_report's exposed_s and comm_s) and the stage 3 coordinator's counters (``c_*``). Without
+(comm_report's exposed_s and comm_s), the stage 3 coordinator's counters (``c_*``) and, with
+offload="disk", the step's state I/O (``off_*``: bytes read and written, the I/O threads'
+seconds, the seconds the step waited for them). Without
 Ray, this separates the engine's cost from the runtime's; ``exposed`` with prefetch on and off
 is the issue's "exposed communication" comparison as a median over steps.
 """
@@ -95,14 +97,19 @@ def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, ov
         profiling = profile is not None and i >= spec.warmup_steps
         if profiling:
             profile.enable()
+        offload_before = engine.offload_stats()
         t0 = time.perf_counter()
         engine.train_step(worker_slice(batch, rank, spec))
         total = time.perf_counter() - t0
+        offload_after = engine.offload_stats()
         if profiling:
             profile.disable()
         row = {**phases, "total": total, "bwd": total - sum(phases.values())}
         row.update({"c_" + k: v for k, v in engine.fetch_stats().items()})
         row["exposed"], row["comm"] = group.counter.wait_s, group.counter.comm_s
+        # offload="disk": this step's state I/O (bytes, the pool's I/O seconds, the step's wait for it)
+        row.update({"off_" + k: offload_after[k] - offload_before[k]
+                    for k in ("bytes_read", "bytes_written", "io_s", "wait_s") if k in offload_after})
         rows.append(row)
     engine.close()
     group.close()

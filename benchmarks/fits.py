@@ -2,12 +2,16 @@
 
     python benchmarks/fits.py [--cap-mb 1000] [--workers 2,4] [--only ddp,fsdp2,zr1,zr2,zr3]
         [--d-model 512 --heads 8 --seq-len 64 --batch 2] [--steps 3] [--max-layers 160] [--json out.json]
+        [--offload disk]
 
 For each row (torch DDP, torch FSDP2, zeroray stages 1-3; ``zr0`` on request) and each worker
 count, the deepest GPT (examples/gpt.py, fixed width, layers searched) whose every worker stays
 under a per-worker memory cap while it is built and trains ``--steps`` steps on real text. It
 prints the table (layers, parameters, the peak of the largest model that fits and of the next
-one up) and each row's ratio to DDP's model size.
+one up) and each row's ratio to DDP's model size. With ``--offload disk`` every zeroray row gets a
+twin ``zr<N>+disk`` beside it, the same with ``ZeroConfig(offload="disk")`` (the optimizer state in
+files under the system's temporary directory, [Note: disk offload] in zeroray/offload/stepper.py),
+under the same cap: the files' pages are the kernel's page cache, not the worker's resident set.
 
 The cap: a worker's peak resident set, the kernel's high-water mark of the process's resident
 pages (VmHWM; ``getrusage`` reports it), construction included, must stay at or under
@@ -61,8 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-layers", type=int, default=160)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a torch run is killed")
     p.add_argument("--json", default=None)
+    p.add_argument("--offload", choices=("disk",), default=None,
+                   help="add a zr<N>+disk row beside each zeroray row (ZeroConfig(offload='disk'))")
     args = p.parse_args(argv)
     args.rows = [r for r in ROWS if r in {x.strip() for x in args.only.split(",")}]
+    if args.offload:
+        args.rows = [x for r in args.rows for x in ((r, f"{r}+{args.offload}") if r.startswith("zr") else (r,))]
     args.worker_counts = [int(w) for w in args.workers.split(",")]
     return args
 
@@ -90,7 +98,8 @@ class Runner:
                 from memory_rss import ZerorayRows
 
                 self.session = ZerorayRows({})
-            workers_rss = self.session.run(int(row[2:]), spec, {})["workers"]
+            stage, _, offload = row[2:].partition("+")
+            workers_rss = self.session.run(int(stage), spec, {"offload": offload} if offload else {})["workers"]
             return max(int(w["peak_rss"]) for w in workers_rss)
         import peers
 

@@ -6,6 +6,7 @@ Every invalid value raises ``ValueError`` naming the field and saying what is al
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
@@ -78,6 +79,21 @@ class ZeroConfig:
         normalisation layers with running statistics (BatchNorm, InstanceNorm with
         track_running_stats) and the modules a Hugging Face model keeps in fp32 keep their
         buffers in fp32 and compute in fp32. See [Note: mixed precision] in zeroray/engine/precision.py.
+    offload: where the optimizer state lives between steps ([Note: disk offload] in
+        zeroray/offload/stepper.py). None (default): in memory, beside the parameters. "disk": in
+        files under ``offload_dir``, one per state tensor (Adam's exp_avg and exp_avg_sq) over this
+        worker's shard; the optimizer steps a chunk of ``offload_chunk_bytes`` at a time, reading
+        the next chunk's state and writing the last one's while the current one steps, so memory
+        holds a few chunks of state, never all of it. The fp32 master and the gradient stay in
+        memory. Any worker, any stage. "cpu" (the GPU workers' host-memory tier) is not built yet:
+        it is refused.
+    offload_dir: with offload="disk", the directory each worker makes its scratch folder in
+        (removed when the worker's engine closes); None: the system's temporary directory. The
+        files are scratch: checkpoints hold the optimizer state as without offload.
+    offload_chunk_bytes: with offload="disk", the state bytes of one chunk, summed over the state
+        tensors (Adam: 8 bytes per element); memory holds three chunks (one stepping, one being
+        read, one being written): 48 MiB by default. Larger chunks cost memory; smaller ones more
+        Python calls per step.
     """
 
     stage: Union[int, str] = 3
@@ -104,9 +120,13 @@ class ZeroConfig:
     collective_timeout_s: float = 300.0
     wrap: Any = "auto"
     cast_buffers: Optional[bool] = None
+    offload: Optional[str] = None
+    offload_dir: Optional[str] = None
+    offload_chunk_bytes: int = 16 * 2**20
 
     def __post_init__(self) -> None:
         c = "ZeroConfig"
+        self._validate_offload()
         if self.stage != "auto" and (not isinstance(self.stage, int) or isinstance(self.stage, bool)
                                      or self.stage not in (0, 1, 2, 3)):
             _fail(c, "stage", self.stage, "choose 0 (plain data parallel), 1, 2, 3 or 'auto'")
@@ -165,6 +185,27 @@ class ZeroConfig:
         elif not callable(wrap):
             _fail(c, "wrap", wrap, "use 'auto', 'module', a tuple of nn.Module classes, or a callable "
                                    "(qualified_name, module) -> bool")
+
+    def _validate_offload(self) -> None:
+        c = "ZeroConfig"
+        if self.offload == "cpu":
+            _fail(c, "offload", self.offload,
+                  "the host-memory tier for GPU workers is not built yet (on CPU workers the optimizer state "
+                  "already lives in host memory, so it would change nothing); use offload='disk' to keep the "
+                  "optimizer state in files, or None")
+        if self.offload not in (None, "disk"):
+            _fail(c, "offload", self.offload, "choose None (optimizer state in memory) or 'disk' (in files under "
+                                             "offload_dir)")
+        if self.offload_dir is not None:
+            if not isinstance(self.offload_dir, (str, os.PathLike)):
+                _fail(c, "offload_dir", self.offload_dir, "it must be a directory path (str) or None")
+            if self.offload is None:
+                _fail(c, "offload_dir", self.offload_dir, "it is only used with offload='disk': set offload='disk' "
+                                                         "or leave offload_dir None")
+            object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
+        value = self.offload_chunk_bytes
+        if not isinstance(value, int) or isinstance(value, bool) or value < 256:
+            _fail(c, "offload_chunk_bytes", value, "it must be a number of bytes (an int >= 256)")
 
     @property
     def reduce_dtype_name(self) -> str:

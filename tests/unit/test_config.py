@@ -42,6 +42,10 @@ BAD = [
     (zr.ZeroConfig, "collective_timeout_s", math.inf, "> 0"),
     (zr.ZeroConfig, "cast_buffers", "auto", "None (the automatic rule"),
     (zr.ZeroConfig, "cast_buffers", 1, "True (cast every buffer) or False"),
+    (zr.ZeroConfig, "offload", "nvme", "choose None (optimizer state in memory) or 'disk'"),
+    (zr.ZeroConfig, "offload", True, "choose None (optimizer state in memory) or 'disk'"),
+    (zr.ZeroConfig, "offload", "cpu", "not built yet"),
+    (zr.ZeroConfig, "offload_chunk_bytes", 100, "an int >= 256"),
     (zr.ScalingConfig, "num_workers", 0, ">= 1"),
     (zr.ScalingConfig, "num_workers", -2, ">= 1"),
     (zr.ScalingConfig, "num_workers", 2.5, ">= 1"),
@@ -84,6 +88,10 @@ def test_cross_field_rules_name_the_field():
         zr.ScalingConfig(num_workers=2, min_workers=3)
     with pytest.raises(ValueError, match=r"CheckpointConfig\.every_steps=10 .*set CheckpointConfig\.path"):
         zr.CheckpointConfig(every_steps=10)
+    with pytest.raises(ValueError, match=r"ZeroConfig\.offload_dir='/tmp' .*only used with offload='disk'"):
+        zr.ZeroConfig(offload_dir="/tmp")
+    with pytest.raises(ValueError, match=r"ZeroConfig\.offload_dir=3 .*a directory path"):
+        zr.ZeroConfig(offload="disk", offload_dir=3)
     with pytest.raises(ValueError, match=r"SGD\.nesterov=True .*momentum > 0"):
         zr.SGD(nesterov=True)
 
@@ -92,6 +100,8 @@ def test_defaults_and_good_values_pass():
     zr.ZeroConfig()
     zr.ZeroConfig(stage=0, dtype="bf16", reduce_dtype="fp32", max_grad_norm=1.0, activation_checkpointing=True)
     zr.ZeroConfig(bucket_bytes="auto", bucket_timeout_ms=2.5)
+    zr.ZeroConfig(offload="disk")  # offload_dir None: the system's temporary directory
+    assert zr.ZeroConfig(offload="disk", offload_dir=__import__("pathlib").Path("/tmp")).offload_dir == "/tmp"
     assert zr.ZeroConfig().cast_buffers is None  # the automatic rule of zeroray/engine/precision.py
     zr.ZeroConfig(dtype="bf16", cast_buffers=True)
     zr.ZeroConfig(dtype="fp16", cast_buffers=False)

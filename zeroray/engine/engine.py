@@ -39,7 +39,7 @@ from zeroray.engine.coordination import build_coordinator
 from zeroray.engine.grad_intake import GradIntake
 from zeroray.engine.inference import evaluation, run_call
 from zeroray.engine.model_build import build_model, load_saved_weights
-from zeroray.engine.optim import LossScaler, ShardedOptimizer, build_segments, local_spans
+from zeroray.engine.optim import DiskOffload, LossScaler, ShardedOptimizer, build_segments, local_spans
 from zeroray.engine.precision import MixedPrecision, load_untrained
 from zeroray.engine.step_result import StepStats, check_loss, skips
 from zeroray.engine.storage import build_storage
@@ -94,7 +94,7 @@ class Engine:
         segments = build_segments(local_spans(s.param_spans(), named, param_groups), self.master.numel(),
                                   breaks=self.master.breaks())
         self.optimizer = ShardedOptimizer(optimizer, self.master, self.grad, segments, zero.max_grad_norm, scheduler,
-                                          param_spans=s.param_spans())
+                                          param_spans=s.param_spans(), offload=self._offload(zero))
         self.bucket_learning = BucketLearning(self.reducer, zero)
         self.grads = GradIntake(named, self.layout, self.units, self.reducer, self.coordinator)
         self.activations, self._restore_forwards = track_activations(
@@ -103,6 +103,19 @@ class Engine:
         self.scaler = (LossScaler(zero.initial_loss_scale, zero.loss_scale_growth_factor,
                                   zero.loss_scale_backoff_factor, zero.loss_scale_growth_interval,
                                   zero.min_loss_scale) if zero.dtype == "fp16" else None)
+
+    def _offload(self, zero: ZeroConfig) -> Optional[DiskOffload]:
+        """Where offload="disk" puts the optimizer state ([Note: disk offload] in offload/stepper.py)."""
+        if zero.offload is None:
+            return None
+        if self.device.type != "cpu":
+            raise ValueError(f"ZeroConfig.offload={zero.offload!r} runs on CPU workers only for now (this worker "
+                             f"computes on {self.device}): the GPU workers' tiers are not built yet; set offload=None")
+        return DiskOffload(zero.offload_dir, self.rank, zero.offload_chunk_bytes)
+
+    def offload_stats(self) -> Dict[str, float]:
+        """The disk tier's I/O totals since the engine was built (empty without offload)."""
+        return self.optimizer.offload_stats()
 
     @property
     def activation_peak_bytes(self) -> int:
@@ -117,6 +130,7 @@ class Engine:
         k = self.zero.grad_accum_steps
         self.group.counter.reset()
         self.grad.zero_()
+        self.optimizer.prefetch()
         self.grads.begin_step()
         self.coordinator.begin_step()
         scale = self.scaler.scale if self.scaler else 1.0
@@ -295,3 +309,4 @@ class Engine:
         self._restore_forwards()
         self._restore_precision()
         self.activations.inner = None
+        self.optimizer.close()

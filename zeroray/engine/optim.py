@@ -27,6 +27,16 @@ import torch
 
 from zeroray.engine.flat_pieces import FlatPieces
 from zeroray.layout.local_shard import LocalShard
+from zeroray.offload.stepper import DiskStepper, make_stepper
+
+
+@dataclass(frozen=True)
+class DiskOffload:
+    """Where the optimizer state goes with offload="disk" ([Note: disk offload] in offload/stepper.py):
+    the parent folder (None: the system's temporary directory), this rank, bytes per chunk."""
+    folder: Optional[str]
+    rank: int
+    chunk_bytes: int
 
 
 @dataclass(frozen=True)
@@ -131,7 +141,8 @@ class ShardedOptimizer:
     def __init__(self, spec: Any, master: Union[torch.Tensor, LocalShard], grad: torch.Tensor,
                  segments: List[Segment], max_grad_norm: Optional[float],
                  scheduler_fn: Optional[Callable[[Any], Any]] = None,
-                 param_spans: Optional[Mapping[str, Tuple[int, int]]] = None) -> None:
+                 param_spans: Optional[Mapping[str, Tuple[int, int]]] = None,
+                 offload: Optional[DiskOffload] = None) -> None:
         # 1D fp32 each; a LocalShard master is viewed one segment at a time ([Note: local shard])
         self.master, self.grad, self.segments = master, grad, segments
         self.max_grad_norm = max_grad_norm
@@ -147,6 +158,11 @@ class ShardedOptimizer:
                              "pass zr.AdamW(...) or a callable params -> torch.optim.Optimizer")
         self.pieces.inner = self.inner
         self.scheduler = scheduler_fn(self.inner) if scheduler_fn is not None else None
+        # the per-element state's home between steps when offloaded; None: inner.state (memory)
+        self.disk: Optional[DiskStepper] = None
+        if offload is not None:
+            self.disk, _ = make_stepper(self.builder, [dict(seg.overrides) for seg in segments], offload.folder,
+                                        offload.rank, master.numel(), offload.chunk_bytes)
 
     @property
     def flat_params(self) -> List[torch.nn.Parameter]:
@@ -161,6 +177,8 @@ class ShardedOptimizer:
             return None
         start = self.pieces.span_of(name)[0]
         piece = next(pc for pc in self.pieces.pieces if pc.start <= start < pc.end)
+        if self.disk is not None:
+            return self.disk.piece_state(self.inner, piece)
         return self.inner.state.get(piece.param)
 
     def local_sumsq(self) -> torch.Tensor:
@@ -170,8 +188,10 @@ class ShardedOptimizer:
         return torch.linalg.vector_norm(self.grad).square()
 
     def state_tensors(self) -> List[torch.Tensor]:
-        """The inner optimizer's state tensors (momentum, variance, ...), for memory reports."""
-        return [v for state in self.inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        """The inner optimizer's state tensors (momentum, variance, ...) in memory, for memory
+        reports; offloaded: the scalars and the disk tier's buffers."""
+        held = [v for state in self.inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        return held + (self.disk.buffers() if self.disk is not None else [])
 
     def step(self, norm: float, unused: Sequence[str] = ()) -> None:
         """Clip by the global norm (as torch.nn.utils.clip_grad_norm_ does) and update every
@@ -184,7 +204,10 @@ class ShardedOptimizer:
         if unused:
             self.uneven = True
         with self.pieces.skipping(unused):
-            self.inner.step()
+            if self.disk is not None:
+                self.disk.step(self.inner, self.pieces.pieces)
+            else:
+                self.inner.step()
         if self.scheduler is not None:
             self.scheduler.step()
 
@@ -192,9 +215,31 @@ class ShardedOptimizer:
         if self.scheduler is not None:
             self.scheduler.step()
 
+    def prefetch(self) -> None:
+        """Offloaded: start reading the next step's first chunks of state (at the step's start, so
+        that the reads run during forward and backward)."""
+        if self.disk is not None:
+            self.disk.prefetch(self.pieces.pieces)
+
+    def offload_stats(self) -> Dict[str, float]:
+        """The disk tier's I/O totals (offload/stepper.py's ``stats``); empty without one."""
+        return self.disk.stats() if self.disk is not None else {}
+
+    def close(self) -> None:
+        """Remove the disk tier's scratch files, if any."""
+        if self.disk is not None:
+            self.disk.close()
+
     # --- state for checkpoints and resize: flat tensors over the local shard ----------------
 
     def export_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+        """``_export_state`` with the offloaded state read back for the export's duration."""
+        if self.disk is None:
+            return self._export_state()
+        with self.disk.loaded(self.inner, self.pieces.pieces):
+            return self._export_state()
+
+    def _export_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         """Every per-element state tensor as one flat tensor over the local shard ("optim.<key>";
         zeros where a piece has no state), and the scalar state: one value ("optim.<key>" in the
         scalars) while the pieces agree, else per element ([Note: per-element state])."""
@@ -299,6 +344,8 @@ class ShardedOptimizer:
             if seg.key in lrs:
                 g["lr"] = lrs[seg.key]
         self.inner.load_state_dict(sd)
+        if self.disk is not None:
+            self.disk.spill(self.inner, self.pieces.pieces)
         self.uneven = per_element is not None
         if self.scheduler is not None and "scheduler" in scalars:
             sd = self.scheduler.state_dict()

@@ -1,0 +1,148 @@
+"""The disk tier's optimizer step ([Note: disk offload] in zeroray/offload/stepper.py) against the
+same ShardedOptimizer in memory: bitwise equal parameters and state, for Adam, AdamW (fused and
+not), SGD with momentum, chunks smaller than a segment, parameters left unused, and a state
+export -> import round trip. The files are real files in a temporary directory."""
+import os
+import subprocess
+
+import pytest
+import torch
+
+import zeroray as zr
+from zeroray.engine.optim import DiskOffload, Segment, ShardedOptimizer
+from zeroray.offload.tier import OffloadError, StateFiles
+
+N = 300
+SEGMENTS = [Segment(0, 130, ()), Segment(130, N, (("lr", 0.05),))]
+SPANS = {"a": (0, 50), "b": (50, 130), "c": (130, 200), "d": (200, 271), "e": (271, N)}
+
+SPECS = {
+    "adamw_fused": zr.AdamW(lr=1e-2, weight_decay=0.1),
+    "adam_foreach": lambda groups: torch.optim.Adam(groups, lr=1e-2, foreach=True),
+    "adamw_loop": lambda groups: torch.optim.AdamW(groups, lr=1e-2, foreach=False, fused=False),
+    "sgd_momentum": lambda groups: torch.optim.SGD(groups, lr=1e-2, momentum=0.9, weight_decay=0.01),
+}
+
+
+def _optimizer(spec, folder=None, chunk_bytes=512):
+    master = torch.linspace(-1, 1, N)
+    grad = torch.zeros(N)
+    offload = DiskOffload(str(folder), 0, chunk_bytes) if folder is not None else None
+    return ShardedOptimizer(spec, master, grad, SEGMENTS, 1.0, None, param_spans=SPANS, offload=offload)
+
+
+def _run(opt, steps, unused_at=()):
+    gen = torch.Generator().manual_seed(0)
+    for i in range(steps):
+        opt.prefetch()  # as the engine does at a step's start (offloaded: reads the first chunks ahead)
+        opt.grad.copy_(torch.randn(N, generator=gen))
+        opt.step(float(opt.grad.norm()), unused_at[i] if i < len(unused_at) else ())
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("chunk_bytes", [512, 4096])  # 64 elements per chunk (Adam: 2 keys), or whole segments
+def test_disk_step_equals_memory_step(tmp_path, name, chunk_bytes):
+    unused = [(), ("b",), (), ("d", "e"), ()]
+    ref = _optimizer(SPECS[name])
+    off = _optimizer(SPECS[name], tmp_path, chunk_bytes)
+    _run(ref, 5, unused)
+    _run(off, 5, unused)
+    assert torch.equal(ref.master, off.master)
+    for pname in SPANS:
+        ref_state, off_state = ref.param_state(pname), off.param_state(pname)
+        assert (ref_state is None) == (off_state is None)
+        for k, v in (ref_state or {}).items():
+            lo, hi = SPANS[pname]
+            piece = next(pc for pc in ref.pieces.pieces if pc.start <= lo < pc.end)
+            got = off_state[k]
+            if isinstance(v, torch.Tensor) and v.dim():  # the pieces may differ: compare the parameter's range
+                opiece = next(pc for pc in off.pieces.pieces if pc.start <= lo < pc.end)
+                assert torch.equal(v[lo - piece.start:hi - piece.start], got[lo - opiece.start:hi - opiece.start]), k
+            else:
+                assert float(v) == float(got), k
+    # memory holds the slots and the scalars, not the state
+    in_memory = sum(t.numel() for t in off.state_tensors())
+    assert in_memory <= 3 * len(off.disk.keys) * off.disk.chunk_elems + len(off.pieces.pieces)
+    stats = off.offload_stats()
+    assert stats["steps"] == 5 and stats["bytes_written"] > 0 and stats["bytes_read"] > 0
+    assert os.listdir(tmp_path) == []  # open but unlinked: nothing is left behind, however the process ends
+    fds = list(off.disk.files.fds.values())
+    assert all(os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path)) for fd in fds)
+    off.close()
+    assert not any(os.path.exists(f"/proc/self/fd/{fd}") and str(tmp_path) in os.readlink(f"/proc/self/fd/{fd}")
+                   for fd in fds)
+
+
+def test_export_import_round_trip(tmp_path):
+    """What a checkpoint holds is the same with and without offload, and loading it into an
+    offloaded optimizer continues exactly as the in-memory one does."""
+    ref, off = _optimizer(SPECS["adamw_fused"]), _optimizer(SPECS["adamw_fused"], tmp_path)
+    _run(ref, 3, [(), ("c",)])
+    _run(off, 3, [(), ("c",)])
+    (rt, rs), (ot, os_) = ref.export_state(), off.export_state()
+    assert rt.keys() == ot.keys() and all(torch.equal(rt[k], ot[k]) for k in rt)
+    assert rs == os_
+    assert sum(t.numel() for t in off.state_tensors()) < 2 * N  # export put nothing back in memory
+    fresh_ref, fresh_off = _optimizer(SPECS["adamw_fused"]), _optimizer(SPECS["adamw_fused"], tmp_path)
+    for opt, (t, s) in ((fresh_ref, (rt, rs)), (fresh_off, (ot, os_))):
+        opt.master.copy_(ref.master)
+        opt.import_state(t, s)
+    _run(fresh_ref, 2)
+    _run(fresh_off, 2)
+    assert torch.equal(fresh_ref.master, fresh_off.master)
+    (rt2, _), (ot2, _) = fresh_ref.export_state(), fresh_off.export_state()
+    assert all(torch.equal(rt2[k], ot2[k]) for k in rt2)
+
+
+class RowStateSGD(torch.optim.SGD):
+    """Keeps one value per parameter (a norm, as LAMB-like optimizers do): not elementwise."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["norm"] = p.grad.norm().reshape(1)
+        return super().step(closure)
+
+
+def test_a_not_elementwise_optimizer_is_refused_before_any_step(tmp_path):
+    with pytest.raises(ValueError, match=r"state 'norm' of shape \(1,\).*needs it per element"):
+        _optimizer(lambda groups: RowStateSGD(groups, lr=0.1), tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_offload_dir_is_a_clear_error(tmp_path):
+    """A path under a regular file (root ignores permission bits, not that): the optimizer is
+    not built, nothing else was touched."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(OffloadError, match="cannot be used .*Not a directory.*offload_dir"):
+        _optimizer(SPECS["adamw_fused"], blocker / "offload")
+
+
+def test_a_full_file_system_fails_the_allocation(tmp_path):
+    """A real small file system (a 64 KiB tmpfs; skipped where mounting is not allowed): the
+    allocation up front fails with ENOSPC, before any state exists, and leaves nothing behind."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs is not allowed here")
+    try:
+        with pytest.raises(OffloadError, match=r"is full \(No space left on device, .* MiB free there\) while "
+                                               r"allocating 8.0 MiB"):
+            StateFiles(str(small), 0, 2**20, ["exp_avg", "exp_avg_sq"])
+        assert os.listdir(small) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_a_full_device_is_reported_as_full(tmp_path):
+    """ENOSPC from a real write (/dev/full) maps to the 'is full' error."""
+    files = StateFiles(str(tmp_path), 0, 4, ["exp_avg"])
+    os.close(files.fds["exp_avg"])
+    files.fds["exp_avg"] = os.open("/dev/full", os.O_WRONLY)
+    with pytest.raises(OffloadError, match="is full .*No space left on device"):
+        files.write_now("exp_avg", 0, torch.ones(4))
+    files.close()
+    assert os.path.exists("/dev/full")
