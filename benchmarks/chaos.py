@@ -2,10 +2,13 @@
 
     python benchmarks/chaos.py --cycles 50 --seed 0        # the long run (starts its own 3-node cluster)
     python benchmarks/chaos.py --cycles 4 --seed 1 --kinds step-kill,save-kill,node-loss,hang
+    python benchmarks/chaos.py --cycles 50 --seed 0 --snapshot-every 1 --spares 1   # recovery from memory
 
 It trains the main job's GPT (examples/gpt.py, made small) on a local cluster of a head and two
 worker nodes (cluster/local-cluster.sh), ZeRO stage 3, 2 workers placed SPREAD, checkpoints every
-``--every`` steps, ``FailureConfig(max_failures)`` far above the faults. The run is ``--cycles``
+``--every`` steps, ``FailureConfig(max_failures)`` far above the faults; with ``--snapshot-every``
+in-memory snapshots, so a failure replaces the lost worker (a warm spare with ``--spares``) and
+resumes from memory ([Note: replace, don't restart] in zeroray/runtime/worker_group.py). The run is ``--cycles``
 cycles of ``--steps-per-cycle`` steps; each cycle gets one fault, its kind, step and worker drawn
 from ``--seed``:
 
@@ -25,7 +28,8 @@ was drawn for on any machine and the seed repeats the run. At the end the run ch
   no faults, no checkpoints), and so do the weights of every checkpoint ``latest`` ever named,
   each of which still loads (every file read back and checked against its manifest);
 - no actor or placement group of the run is left, and no worker process it ever had;
-and prints faults injected / survived, steps redone, recoveries and wall time, and a JSON line.
+and prints faults injected / survived, steps redone, recoveries (median and p90 seconds, how many
+from memory / disk, replaced / restarted) and wall time, and a JSON line.
 Exit status 0 when every check holds.
 """
 from __future__ import annotations
@@ -339,6 +343,21 @@ def _leftovers(job_hex: str, pids: set, timeout_s: float = 60.0) -> Dict[str, li
     return found
 
 
+def _quantile(values: List[float], q: float) -> Optional[float]:
+    """The value at quantile ``q`` (nearest rank, as the median the report always gave), rounded."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+
+def _counts(keys) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for k in keys:
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
 def make_trainer(zr, cfg, loss_fn, workers: int, collective_timeout_s: float, **kwargs):
     return zr.Trainer(lambda: gpt.GPT(cfg), loss_fn, optimizer=zr.AdamW(lr=3e-3),
                       zero=zr.ZeroConfig(stage=3, collective_timeout_s=collective_timeout_s),
@@ -353,6 +372,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps-per-cycle", type=int, default=4)
     p.add_argument("--every", type=int, default=2, help="checkpoint every this many steps")
     p.add_argument("--collective-timeout", type=float, default=10.0)
+    p.add_argument("--snapshot-every", type=int, default=None, help="FailureConfig(snapshot_every): in-memory "
+                                                                    "snapshots, replace-don't-restart recovery")
+    p.add_argument("--spares", type=int, default=0, help="FailureConfig(spares): warm spare workers")
     p.add_argument("--cluster", default=None, help="DIR:HEAD_PORT:DASHBOARD_PORT of a running local-cluster.sh "
                                                    "cluster to use (default: start one, stop it at the end)")
     args = p.parse_args(argv)
@@ -392,7 +414,9 @@ def main(argv=None) -> int:
         control = tempfile.mkdtemp(prefix="zr-chaos-control-")
         root = StoragePath(ChaosStorage(control), os.path.join(control, "ckpt"))
         trainer = make_trainer(zr, cfg, functools.partial(gated_loss, control, gpt.gpt_loss), 2,
-                               args.collective_timeout, failure=zr.FailureConfig(max_failures=10 * args.cycles + 10),
+                               args.collective_timeout,
+                               failure=zr.FailureConfig(max_failures=10 * args.cycles + 10,
+                                                        snapshot_every=args.snapshot_every, spares=args.spares),
                                checkpoint=zr.CheckpointConfig(path=root, every_steps=args.every, keep=10**6))
         injector = Injector(trainer, cluster, control, batches, faults, args.collective_timeout, say)
         data = ChaosData(batches, injector.on_fetch)
@@ -415,7 +439,8 @@ def main(argv=None) -> int:
                 say(f"  cycle {fault.cycle:3d} {fault.kind:12s} step {fault.step:4d}: "
                     f"{'landed' if fault.landed else 'DID NOT LAND'}; {fault.note}; "
                     + (", ".join(f"recovered to step {r['step']} ({r['redone_steps']} redone) in {r['seconds']:.1f} s "
-                                 f"({r['cause'].split(':')[0]})" for r in recs) or "no recovery"))
+                                 f"({r['cause'].split(':')[0]}; {r.get('mode', 'restart')}, from "
+                                 f"{r.get('restored_from', '?')})" for r in recs) or "no recovery"))
         except Exception as error:  # noqa: BLE001 - the run failed: say how far it got
             say(f"chaos: training failed at step {trainer.step_count}: {type(error).__name__}: {error}")
             report = {"failed": f"{type(error).__name__}: {str(error)[:500]}", "step": trainer.step_count,
@@ -461,12 +486,17 @@ def main(argv=None) -> int:
                   "checkpoints_verified": len(checkpoint_gaps), "checkpoint_max_abs_diff": worst_checkpoint,
                   "leftovers": left, "wall_s": round(time.monotonic() - t_start, 1),
                   "chaos_fit_s": round(chaos_s, 1), "reference_s": round(ref_s, 1),
-                  "recovery_s_median": (sorted(r["seconds"] for r in recoveries)[len(recoveries) // 2]
-                                        if recoveries else None)}
+                  "recovery_s_median": _quantile([r["seconds"] for r in recoveries], 0.5),
+                  "recovery_s_p90": _quantile([r["seconds"] for r in recoveries], 0.9),
+                  "recoveries_by_mode": _counts(r.get("mode", "restart") for r in recoveries),
+                  "recoveries_from": _counts(r.get("restored_from", "?") for r in recoveries),
+                  "redone_per_fault": round(redone / max(1, len(injected)), 3),
+                  "snapshot_every": args.snapshot_every, "spares": args.spares}
         ok = (len(survived) == len(faults) and gap <= 1e-6 and worst_checkpoint <= 1e-6
               and not any(left.values()) and len(checkpoint_gaps) > 0)
         say(f"faults injected {len(injected)} / planned {len(faults)}, survived {len(survived)}; "
-            f"recoveries {len(recoveries)}; steps redone {redone} (of {total}); "
+            f"recoveries {len(recoveries)} (median {report['recovery_s_median']} s, p90 {report['recovery_s_p90']} s; "
+            f"{report['recoveries_by_mode']}, from {report['recoveries_from']}); steps redone {redone} (of {total}); "
             f"final weights vs uninterrupted: max |diff| {gap:.3g}; "
             f"{len(checkpoint_gaps)} checkpoints latest named all load, max |diff| vs uninterrupted "
             f"{worst_checkpoint:.3g}; left: {left}; wall {report['wall_s']:.0f} s "

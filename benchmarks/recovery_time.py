@@ -37,6 +37,8 @@ def one_recovery(stage: int, workers: int, spares: int, gate_dir) -> dict:
                     optimizer=zr.AdamW(lr=1e-2, weight_decay=0.1),
                     zero=zr.ZeroConfig(stage=stage, collective_timeout_s=10.0),
                     scaling=zr.ScalingConfig(num_workers=workers), failure=failure) as trainer:
+        if spares:  # as in a long run: the spare started and warmed long before the failure
+            trainer.controller.group.spares_warm(120)
         killed = {}
         arm, _, _ = _arm_kill(trainer, gate_dir, batches[KILL_AT],
                               before_kill=lambda: killed.setdefault("at", time.monotonic()))

@@ -214,6 +214,7 @@ class Controller:
                 raise RuntimeError(f"the snapshot behind step {result.step} holds steps "
                                    f"{[r['step'] for r in records]}: a zeroray bug")
             self.snapshots.promote(pending.snapshot, result.step, self.data_position)
+            self.group.hold_copies(pending.snapshot.shards)  # [Note: buddy copies] in snapshot.py
         result.timeline = {"submit": pending.submitted_at, **outs[0].hops.as_dict(), "receive": time.time()}
         return result
 
@@ -433,9 +434,10 @@ class Controller:
         return timings
 
     def _newer_snapshot(self) -> Optional[Snapshot]:
-        """The complete in-memory snapshot, when it is newer than the last disk checkpoint."""
+        """The complete in-memory snapshot, unless the last disk checkpoint is newer (at the same
+        step, memory is the faster read)."""
         snap = self.snapshots.complete
-        if snap is None or (self.last_checkpoint_step is not None and self.last_checkpoint_step >= snap.step):
+        if snap is None or (self.last_checkpoint_step is not None and self.last_checkpoint_step > snap.step):
             return None
         return snap
 
@@ -544,7 +546,7 @@ class Controller:
             scaling = ScalingConfig(**{**vars(self.scaling), "num_workers": num_workers,
                                        "min_workers": min(self.scaling.min_workers or num_workers, num_workers)})
             try:
-                new = WorkerGroup(self.spec, num_workers, scaling)
+                new = WorkerGroup(self.spec, num_workers, scaling, spares=self.spares)
             except (PlacementError, WorkerSetupError) as error:
                 raise type(error)(
                     f"resize({num_workers}) did not happen, and the Trainer goes on with its {old.num_workers} "

@@ -29,7 +29,8 @@ from zeroray.runtime.sequencer import Cancelled, Sequencer, Ticket
 # calls wait for their turn on the default group's threads (a running step, the step queued
 # behind it, a save or a report behind that), the polls never wait behind them.
 ENGINE_THREADS = 4
-CONCURRENCY_GROUPS = {"control": 1, "warm": 1}  # warm: a spare's imports, never in the polls' way
+# warm: a spare's imports; copy: a buddy's copy of a snapshot shard; neither in the polls' way.
+CONCURRENCY_GROUPS = {"control": 1, "warm": 1, "copy": 1}
 
 
 def engine_call(method: Callable) -> Callable:
@@ -59,6 +60,7 @@ class Worker:
         self._sequencer = Sequencer()
         self._arrived = threading.local()
         self._staged = None  # recovery: the state stage_snapshot assembled, until apply_snapshot
+        self._copy = None  # another rank's snapshot shard held here ([Note: buddy copies] in runtime/snapshot.py)
         self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/local_feed.py)
         self.memory = ProcessMemory()  # before the model: the baseline; engine work on one thread
 
@@ -95,6 +97,17 @@ class Worker:
 
         from zeroray.comm.group import make_torch_group  # noqa: F401
         from zeroray.engine.engine import Engine  # noqa: F401
+
+    @ray.method(concurrency_group="copy")
+    def hold_copy(self, shard_refs: List[Any]) -> None:
+        """Fetch another rank's snapshot shard into this node's object store and hold it there
+        until the next one ([Note: buddy copies] in runtime/snapshot.py). The ref arrives in a
+        list so that Ray does not fetch it before the call; a shard lost already is skipped."""
+        self._copy = None  # the previous copy goes first: one held at a time
+        try:
+            self._copy = ray.get(shard_refs[0])
+        except Exception:  # noqa: BLE001 - nothing to copy; the snapshot's own copy decides
+            self._copy = None
 
     # --- wiring ----------------------------------------------------------------------------
 

@@ -106,7 +106,7 @@ class WorkerGroup:
         self.keep_survivors = False
         self.survivors: List[int] = []
         self.bundles = list(range(num_workers))  # per rank: its bundle of the placement group
-        self.spares: List[Any] = []  # warm actors, each (actor, bundle index)
+        self.spares: List[Any] = []  # warm actors, each (actor, bundle index, its warm call)
         self._scaling, self._threads = scaling, scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
         self.collective_timeout_s = spec.zero.collective_timeout_s
         self._next_seq = [0] * num_workers  # per worker: the number of its next engine call
@@ -161,8 +161,35 @@ class WorkerGroup:
     def _add_spare(self, bundle_index: int) -> None:
         """Start a spare in ``bundle_index`` and have it load what a build imports; not waited for."""
         actor = self._new_actor(-1, bundle_index)
-        actor.warm.remote()
-        self.spares.append((actor, bundle_index))
+        self.spares.append((actor, bundle_index, actor.warm.remote()))
+
+    def hold_copies(self, shard_refs: Sequence[Any]) -> int:
+        """Have a buddy on another node copy each rank's snapshot shard ([Note: buddy copies] in
+        snapshot.py): rank r's buddy is the next rank after r on another node; none on one node.
+        Not waited for. Returns how many copies were asked for."""
+        asked = 0
+        for rank, ref in enumerate(shard_refs):
+            buddy = self.buddy_of(rank)
+            if buddy is not None and ref is not None:
+                self.actors[buddy].hold_copy.remote([ref])
+                asked += 1
+        return asked
+
+    def buddy_of(self, rank: int) -> Optional[int]:
+        """The first rank after ``rank`` (cyclically) on another node, or None."""
+        if rank >= len(self.nodes):
+            return None
+        for k in range(1, self.num_workers):
+            other = (rank + k) % self.num_workers
+            if other < len(self.nodes) and self.nodes[other]["node_id"] != self.nodes[rank]["node_id"]:
+                return other
+        return None
+
+    def spares_warm(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait up to ``timeout_s`` for every spare to be started and warm; whether they are."""
+        refs = [ref for _, _, ref in self.spares]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        return len(ready) == len(refs)
 
     # --- replacing lost workers ([Note: replace, don't restart]) ------------------------------
 
@@ -181,7 +208,7 @@ class WorkerGroup:
         for rank in lost:
             freed.append(self.bundles[rank])
             if self.spares:
-                self.actors[rank], self.bundles[rank] = self.spares.pop(0)
+                self.actors[rank], self.bundles[rank], _ = self.spares.pop(0)
                 used_spares += 1
             else:
                 self.actors[rank] = self._new_actor(rank, self.bundles[rank])
@@ -252,7 +279,7 @@ class WorkerGroup:
     def shutdown(self) -> None:
         """Kill the actors and spares, remove the placement group (no call of theirs is waited for)."""
         self.survivors = []
-        for actor in self.actors + [a for a, _ in self.spares]:
+        for actor in self.actors + [a for a, _, _ in self.spares]:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
