@@ -14,7 +14,10 @@ from ``--seed``:
 
 - step-kill    SIGKILL of a worker inside a step (while it is in loss_fn on the chosen batch);
 - save-kill    SIGKILL of a worker while it writes its shard of the chosen checkpoint;
-- restore-kill a step-kill, then SIGKILL of a new worker while it reads the checkpoint back;
+- restore-kill a step-kill, then SIGKILL of a new worker while it reads the checkpoint back (with
+               ``--snapshot-every`` the recovery reads no checkpoint: SIGKILL of the replacement
+               worker as soon as it holds the rank, while the group is re-formed or the snapshot
+               loaded, or in the first step after);
 - node-loss    the node of a worker is lost inside a step (its ``ray start --block`` process group
                gets SIGKILL); a replacement node joins;
 - hang         a worker is stopped (SIGSTOP) inside a step and resumed (SIGCONT) only after the
@@ -130,8 +133,9 @@ class Injector:
     """Arms each fault as fit fetches the batch of its step, and acts once the target is at its gate."""
 
     def __init__(self, trainer, cluster: LocalCluster, control: str, batches: list, faults: List[Fault],
-                 collective_timeout_s: float, log: Callable[[str], None]) -> None:
+                 collective_timeout_s: float, log: Callable[[str], None], snapshots: bool = False) -> None:
         self.trainer, self.cluster, self.control, self.batches = trainer, cluster, control, batches
+        self.snapshots = snapshots  # recovery from memory: a restore-kill hits the replacement instead
         self.by_step = {f.step: f for f in faults if f.kind != "resize"}
         self.resizes = {f.step: f for f in faults if f.kind == "resize"}
         self.collective_timeout_s, self.log = collective_timeout_s, log
@@ -196,7 +200,7 @@ class Injector:
             else:
                 fault.rank = off_head[fault.rank % len(off_head)]
                 fault.node = names[workers[fault.rank]["node_id"]]
-        if fault.kind == "restore-kill":  # what the recovery will read back: the last checkpoint
+        if fault.kind == "restore-kill" and not self.snapshots:  # what the recovery will read back
             fault.checkpoint = str(self.trainer.controller.last_checkpoint)
             self._write("io.gate", f"read {fault.checkpoint}/shard_")
         if fault.kind == "save-kill":
@@ -256,7 +260,11 @@ class Injector:
             fault.note = "; ".join(filter(None, [fault.note, f"SIGKILL pid {fault.pid} (worker {fault.rank}) in loss_fn"]))
 
     def _restore_kill(self, fault: Fault) -> None:
+        known = set(self.pids) | {w["pid"] for w in self.trainer.workers}  # before any replacement
         if not self._kill_at_loss_gate(fault):
+            return
+        if self.snapshots:
+            self._kill_replacement(fault, known)
             return
         blocked = self._wait_file("io.blocked")
         if blocked is None:
@@ -267,6 +275,24 @@ class Injector:
         wait_until(lambda: not _alive(pid), 30)
         fault.note = (f"SIGKILL pid {fault.pid} (worker {fault.rank}) in loss_fn, then pid {pid} reading "
                       f"{os.path.basename(fault.checkpoint)} back")
+
+    def _kill_replacement(self, fault: Fault, known: set) -> None:
+        """SIGKILL of the worker that takes the killed one's rank, as soon as it holds it."""
+        def replacement() -> Optional[int]:
+            try:
+                workers = self.trainer.workers
+            except RuntimeError:  # between groups
+                return None
+            pid = workers[fault.rank]["pid"] if fault.rank < len(workers) else None
+            return pid if pid is not None and pid not in known else None
+        if not wait_until(lambda: replacement() is not None, 120, 0.005):
+            fault.landed, fault.note = False, "no replacement worker appeared"
+            return
+        pid = replacement()
+        _signal(pid, signal.SIGKILL)
+        wait_until(lambda: not _alive(pid), 30)
+        self.pids.add(pid)
+        fault.note = f"SIGKILL pid {fault.pid} (worker {fault.rank}) in loss_fn, then pid {pid}, its replacement"
 
     def _save_kill(self, fault: Fault) -> None:
         blocked = self._wait_file("io.blocked")
@@ -418,7 +444,8 @@ def main(argv=None) -> int:
                                failure=zr.FailureConfig(max_failures=10 * args.cycles + 10,
                                                         snapshot_every=args.snapshot_every, spares=args.spares),
                                checkpoint=zr.CheckpointConfig(path=root, every_steps=args.every, keep=10**6))
-        injector = Injector(trainer, cluster, control, batches, faults, args.collective_timeout, say)
+        injector = Injector(trainer, cluster, control, batches, faults, args.collective_timeout, say,
+                            snapshots=args.snapshot_every is not None)
         data = ChaosData(batches, injector.on_fetch)
 
         t_chaos = time.monotonic()

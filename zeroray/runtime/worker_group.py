@@ -214,31 +214,47 @@ class WorkerGroup:
                 self.actors[rank] = self._new_actor(rank, self.bundles[rank])
                 freed.pop()  # the new actor takes the lost one's bundle
             self._next_seq[rank] = 0
-        refs = self.poll("node_info")
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        if len(ready) < len(refs):
-            raise PlacementError(f"replace: the new worker(s) for rank(s) {lost} did not start within {timeout_s:g} s: "
-                                 f"{_cluster_offer()}")
         try:
-            nodes = ray.get(refs)
-        except ray.exceptions.RayActorError as error:
-            raise WorkerDiedError(f"replace: a worker died before the group was re-formed: {first_line(error)}",
-                                  [], error) from error
-        for rank, node in enumerate(nodes):
-            node["rank"] = rank  # a spare reported -1: it takes its rank in setup
-        self.nodes = nodes
-        t1 = time.monotonic()
-        self.failed, self.survivors = None, []
-        master_port = ray.get(self.poll("free_port", ranks=[0]))[0]
-        spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
-        self.setup_info = self.wait_all(self.call_each("setup", [(spec, nodes[0]["ip"], master_port, r)
-                                                                 for r in range(self.num_workers)]),
-                                        None, "re-form the group")
-        for index in freed:  # make the spares good again, where the lost workers were
-            self._add_spare(index)
+            refs = self.poll("node_info")
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            if len(ready) < len(refs):
+                raise PlacementError(f"replace: the new worker(s) for rank(s) {lost} did not start within "
+                                     f"{timeout_s:g} s: {_cluster_offer()}")
+            self.nodes = [{**node, "rank": rank} for rank, node in enumerate(self._answers(refs, "start"))]
+            t1 = time.monotonic()
+            master_port = self._answers(self.poll("free_port", ranks=[0]), "re-form the group")[0]
+            spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
+            self.failed, self.survivors = None, []
+            self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0]["ip"], master_port, r)
+                                                                     for r in range(self.num_workers)]),
+                                            None, "re-form the group")
+        finally:
+            for index in freed:  # make the spares good again, where the lost workers were
+                self._add_spare(index)
         return {"replaced": len(lost), "spares_used": used_spares, "replace_start_s": t1 - t0,
                 "setup_s": time.monotonic() - t1, "rendezvous_s": max(i.rendezvous_s for i in self.setup_info),
                 "build_s": max(i.build_s for i in self.setup_info)}
+
+    def _answers(self, refs: List[Any], what: str) -> List[Any]:
+        """ray.get of polls during ``replace``; when a worker died meanwhile, the group fails as
+        ``wait_all`` makes it fail (the ones still alive kept), so the caller can replace again."""
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as error:
+            probes = [a.node_info.remote() for a in self.actors]
+            ready, _ = ray.wait(probes, num_returns=len(probes), timeout=5.0)
+            alive = []
+            for rank, ref in enumerate(probes):
+                try:
+                    if ref in ready:
+                        ray.get(ref)
+                        alive.append(rank)
+                except ray.exceptions.RayActorError:
+                    pass
+            dead = [r for r in range(self.num_workers) if r not in alive]
+            message = f"replace ({what}): worker(s) {dead} died: {first_line(error)}"
+            self._tear_down(message, alive)
+            raise WorkerDiedError(message, dead, error) from error
 
     # --- calls -----------------------------------------------------------------------------
 
