@@ -120,6 +120,15 @@ def assemble(old_layout_dict: Dict[str, Any], target: Tuple[Dict[str, Any], int]
 # --- the driver's side -------------------------------------------------------------------------
 
 
+def buddies(node_ids: List[str]) -> List[Optional[int]]:
+    """Per rank, its buddy ([Note: buddy copies]): the first rank after it (cyclically) whose
+    worker runs on another node; None where every other rank shares its node."""
+    n = len(node_ids)
+    return [next(((r + k) % n for k in range(1, n) if node_ids[(r + k) % n] != node_ids[r]), None)
+            for r in range(n)]
+
+
+
 class SnapshotKeeper:
     """The complete snapshot of a fit, if any; see [Note: in-memory snapshots]."""
 

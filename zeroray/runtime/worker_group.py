@@ -167,23 +167,14 @@ class WorkerGroup:
         """Have a buddy on another node copy each rank's snapshot shard ([Note: buddy copies] in
         snapshot.py): rank r's buddy is the next rank after r on another node; none on one node.
         Not waited for. Returns how many copies were asked for."""
+        from zeroray.runtime.snapshot import buddies
+
         asked = 0
-        for rank, ref in enumerate(shard_refs):
-            buddy = self.buddy_of(rank)
-            if buddy is not None and ref is not None:
-                self.actors[buddy].hold_copy.remote([ref])
+        for rank, buddy in enumerate(buddies([node["node_id"] for node in self.nodes])):
+            if buddy is not None and shard_refs[rank] is not None:
+                self.actors[buddy].hold_copy.remote([shard_refs[rank]])
                 asked += 1
         return asked
-
-    def buddy_of(self, rank: int) -> Optional[int]:
-        """The first rank after ``rank`` (cyclically) on another node, or None."""
-        if rank >= len(self.nodes):
-            return None
-        for k in range(1, self.num_workers):
-            other = (rank + k) % self.num_workers
-            if other < len(self.nodes) and self.nodes[other]["node_id"] != self.nodes[rank]["node_id"]:
-                return other
-        return None
 
     def spares_warm(self, timeout_s: Optional[float] = None) -> bool:
         """Wait up to ``timeout_s`` for every spare to be started and warm; whether they are."""
@@ -229,7 +220,7 @@ class WorkerGroup:
                                                                      for r in range(self.num_workers)]),
                                             None, "re-form the group")
         finally:
-            for index in freed:  # make the spares good again, where the lost workers were
+            for index in freed if self.pg is not None else ():  # spares again, where the lost workers were
                 self._add_spare(index)
         return {"replaced": len(lost), "spares_used": used_spares, "replace_start_s": t1 - t0,
                 "setup_s": time.monotonic() - t1, "rendezvous_s": max(i.rendezvous_s for i in self.setup_info),
@@ -369,9 +360,11 @@ class WorkerGroup:
         alive = sorted((set(errors) | set(answered)) - set(dead))
         if dead:
             cause = errors[dead[0]]
-            message = (f"{what}: worker(s) {self._describe(dead)} died: {first_line(cause)}. "
-                       "The worker group was shut down; fit restarts from the last checkpoint when "
-                       "FailureConfig(max_failures) allows it")
+            message = (f"{what}: worker(s) {self._describe(dead)} died: {first_line(cause)}. " + (
+                "The other workers were kept: fit replaces the lost one(s) and resumes from the in-memory snapshot"
+                if self.keep_survivors and alive else
+                "The worker group was shut down; fit restarts from the last checkpoint when "
+                "FailureConfig(max_failures) allows it"))
             self._tear_down(message, alive)
             raise WorkerDiedError(message, dead, cause) from cause
         users = sorted(r for r, k in kinds.items() if k in (ErrorKind.USER, ErrorKind.PEER_STEP))
