@@ -9,7 +9,9 @@ The main job's GPT (examples/gpt.py; default d_model 256, 4 layers, 4 heads; ``-
 (``--warmup`` steps untimed, then ``--steps`` timed, the wall time of fit itself, which waits
 for each snapshot's record), so the machine's load hits both alike; the figure is the median
 over rounds. Also printed: the snapshot's bytes per worker (memory_report's snapshot_bytes,
-held in the object store, outside the workers) and each worker's peak RSS.
+held in the object store, outside the workers), each worker's peak RSS (the kernel's high-water
+mark, which counts the object-store pages a worker wrote: shared memory of the node, not the
+worker's heap) and rank 0's resident set now, split into heap (RssAnon) and shared (RssShmem).
 """
 from __future__ import annotations
 
@@ -39,8 +41,21 @@ def one(cfg, stage: int, every, warmup: int, steps: int, workers: int) -> dict:
         trainer.fit(batches[warmup:], progress=False)
         per_step = (time.perf_counter() - t0) / steps
         report = trainer.memory_report()
+        parts = trainer.run(_rss_parts)
     return {"s_per_step": per_step, "peak_rss_mb": [round(r["peak_rss_bytes"] / 1e6) for r in report],
-            "snapshot_mb": [round(r["snapshot_bytes"] / 1e6, 1) for r in report]}
+            "snapshot_mb": [round(r["snapshot_bytes"] / 1e6, 1) for r in report], "rank0_rss_now_mb": parts}
+
+
+def _rss_parts(model) -> dict:
+    """Rank 0's resident set now, by kind: its own heap (anon) and the shared memory it mapped,
+    which includes the pages of Ray's object store it wrote (the snapshots it returned)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                fields[key] = round(int(value.split()[0]) * 1024 / 1e6)
+    return fields
 
 
 def main(argv=None) -> int:

@@ -546,7 +546,7 @@ class Controller:
             scaling = ScalingConfig(**{**vars(self.scaling), "num_workers": num_workers,
                                        "min_workers": min(self.scaling.min_workers or num_workers, num_workers)})
             try:
-                new = WorkerGroup(self.spec, num_workers, scaling, spares=self.spares)
+                new = WorkerGroup(self.spec, num_workers, scaling)  # spares once the old group is gone
             except (PlacementError, WorkerSetupError) as error:
                 raise type(error)(
                     f"resize({num_workers}) did not happen, and the Trainer goes on with its {old.num_workers} "
@@ -559,6 +559,7 @@ class Controller:
                 new.shutdown()
                 raise
             old.shutdown()
+            new.add_spares(self.spares)
             self._adopt(new)
             self.scaling = scaling
             self.step_count = steps[0]

@@ -105,7 +105,7 @@ class WorkerGroup:
         # fit with snapshots); ``survivors`` are the ranks kept, until ``replace`` or ``shutdown``.
         self.keep_survivors = False
         self.survivors: List[int] = []
-        self.bundles = list(range(num_workers))  # per rank: its bundle of the placement group
+        self.bundles: List[Optional[int]] = list(range(num_workers))  # per rank: its bundle (None: outside)
         self.spares: List[Any] = []  # warm actors, each (actor, bundle index, its warm call)
         self._scaling, self._threads = scaling, scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
         self.collective_timeout_s = spec.zero.collective_timeout_s
@@ -149,17 +149,26 @@ class WorkerGroup:
         for index in range(num_workers, num_workers + spares):  # after the group: they do not slow its start
             self._add_spare(index)
 
-    def _new_actor(self, rank: int, bundle_index: int) -> Any:
-        """A worker actor in bundle ``bundle_index`` of the placement group (rank -1: a spare)."""
+    def _new_actor(self, rank: int, bundle_index: Optional[int]) -> Any:
+        """A worker actor in bundle ``bundle_index`` of the placement group, or outside it (None);
+        rank -1: a spare."""
         scaling = self._scaling
-        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle_index)
+        strategy = "DEFAULT" if bundle_index is None else PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=bundle_index)
         return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker).options(
             num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
             scheduling_strategy=strategy, max_concurrency=ENGINE_THREADS, max_restarts=0,
             name=None).remote(rank, self.num_workers, self._threads, scaling.use_gpu)
 
-    def _add_spare(self, bundle_index: int) -> None:
-        """Start a spare in ``bundle_index`` and have it load what a build imports; not waited for."""
+    def add_spares(self, count: int) -> None:
+        """Spares outside the placement group (after a resize, whose group was placed without
+        them so that the old and the new group fit side by side); not waited for."""
+        for _ in range(count):
+            self._add_spare(None)
+
+    def _add_spare(self, bundle_index: Optional[int]) -> None:
+        """Start a spare in ``bundle_index`` (None: outside the placement group) and have it load
+        what a build imports; not waited for."""
         actor = self._new_actor(-1, bundle_index)
         self.spares.append((actor, bundle_index, actor.warm.remote()))
 
