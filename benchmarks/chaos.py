@@ -2,16 +2,22 @@
 
     python benchmarks/chaos.py --cycles 50 --seed 0        # the long run (starts its own 3-node cluster)
     python benchmarks/chaos.py --cycles 4 --seed 1 --kinds step-kill,save-kill,node-loss,hang
+    python benchmarks/chaos.py --cycles 50 --seed 0 --snapshot-every 1 --spares 1   # recovery from memory
 
 It trains the main job's GPT (examples/gpt.py, made small) on a local cluster of a head and two
 worker nodes (cluster/local-cluster.sh), ZeRO stage 3, 2 workers placed SPREAD, checkpoints every
-``--every`` steps, ``FailureConfig(max_failures)`` far above the faults. The run is ``--cycles``
+``--every`` steps, ``FailureConfig(max_failures)`` far above the faults; with ``--snapshot-every``
+in-memory snapshots, so a failure replaces the lost worker (a warm spare with ``--spares``) and
+resumes from memory ([Note: replace, don't restart] in zeroray/runtime/worker_group.py). The run is ``--cycles``
 cycles of ``--steps-per-cycle`` steps; each cycle gets one fault, its kind, step and worker drawn
 from ``--seed``:
 
 - step-kill    SIGKILL of a worker inside a step (while it is in loss_fn on the chosen batch);
 - save-kill    SIGKILL of a worker while it writes its shard of the chosen checkpoint;
-- restore-kill a step-kill, then SIGKILL of a new worker while it reads the checkpoint back;
+- restore-kill a step-kill, then SIGKILL of a new worker while it reads the checkpoint back (with
+               ``--snapshot-every`` the recovery reads no checkpoint: SIGKILL of the replacement
+               worker as soon as it holds the rank, while the group is re-formed or the snapshot
+               loaded, or in the first step after);
 - node-loss    the node of a worker is lost inside a step (its ``ray start --block`` process group
                gets SIGKILL); a replacement node joins;
 - hang         a worker is stopped (SIGSTOP) inside a step and resumed (SIGCONT) only after the
@@ -25,7 +31,8 @@ was drawn for on any machine and the seed repeats the run. At the end the run ch
   no faults, no checkpoints), and so do the weights of every checkpoint ``latest`` ever named,
   each of which still loads (every file read back and checked against its manifest);
 - no actor or placement group of the run is left, and no worker process it ever had;
-and prints faults injected / survived, steps redone, recoveries and wall time, and a JSON line.
+and prints faults injected / survived, steps redone, recoveries (median and p90 seconds, how many
+from memory / disk, replaced / restarted) and wall time, and a JSON line.
 Exit status 0 when every check holds.
 """
 from __future__ import annotations
@@ -126,8 +133,9 @@ class Injector:
     """Arms each fault as fit fetches the batch of its step, and acts once the target is at its gate."""
 
     def __init__(self, trainer, cluster: LocalCluster, control: str, batches: list, faults: List[Fault],
-                 collective_timeout_s: float, log: Callable[[str], None]) -> None:
+                 collective_timeout_s: float, log: Callable[[str], None], snapshots: bool = False) -> None:
         self.trainer, self.cluster, self.control, self.batches = trainer, cluster, control, batches
+        self.snapshots = snapshots  # recovery from memory: a restore-kill hits the replacement instead
         self.by_step = {f.step: f for f in faults if f.kind != "resize"}
         self.resizes = {f.step: f for f in faults if f.kind == "resize"}
         self.collective_timeout_s, self.log = collective_timeout_s, log
@@ -192,7 +200,7 @@ class Injector:
             else:
                 fault.rank = off_head[fault.rank % len(off_head)]
                 fault.node = names[workers[fault.rank]["node_id"]]
-        if fault.kind == "restore-kill":  # what the recovery will read back: the last checkpoint
+        if fault.kind == "restore-kill" and not self.snapshots:  # what the recovery will read back
             fault.checkpoint = str(self.trainer.controller.last_checkpoint)
             self._write("io.gate", f"read {fault.checkpoint}/shard_")
         if fault.kind == "save-kill":
@@ -252,7 +260,11 @@ class Injector:
             fault.note = "; ".join(filter(None, [fault.note, f"SIGKILL pid {fault.pid} (worker {fault.rank}) in loss_fn"]))
 
     def _restore_kill(self, fault: Fault) -> None:
+        known = set(self.pids) | {w["pid"] for w in self.trainer.workers}  # before any replacement
         if not self._kill_at_loss_gate(fault):
+            return
+        if self.snapshots:
+            self._kill_replacement(fault, known)
             return
         blocked = self._wait_file("io.blocked")
         if blocked is None:
@@ -263,6 +275,24 @@ class Injector:
         wait_until(lambda: not _alive(pid), 30)
         fault.note = (f"SIGKILL pid {fault.pid} (worker {fault.rank}) in loss_fn, then pid {pid} reading "
                       f"{os.path.basename(fault.checkpoint)} back")
+
+    def _kill_replacement(self, fault: Fault, known: set) -> None:
+        """SIGKILL of the worker that takes the killed one's rank, as soon as it holds it."""
+        def replacement() -> Optional[int]:
+            try:
+                workers = self.trainer.workers
+            except RuntimeError:  # between groups
+                return None
+            pid = workers[fault.rank]["pid"] if fault.rank < len(workers) else None
+            return pid if pid is not None and pid not in known else None
+        if not wait_until(lambda: replacement() is not None, 120, 0.005):
+            fault.landed, fault.note = False, "no replacement worker appeared"
+            return
+        pid = replacement()
+        _signal(pid, signal.SIGKILL)
+        wait_until(lambda: not _alive(pid), 30)
+        self.pids.add(pid)
+        fault.note = f"SIGKILL pid {fault.pid} (worker {fault.rank}) in loss_fn, then pid {pid}, its replacement"
 
     def _save_kill(self, fault: Fault) -> None:
         blocked = self._wait_file("io.blocked")
@@ -339,6 +369,21 @@ def _leftovers(job_hex: str, pids: set, timeout_s: float = 60.0) -> Dict[str, li
     return found
 
 
+def _quantile(values: List[float], q: float) -> Optional[float]:
+    """The value at quantile ``q`` (nearest rank, as the median the report always gave), rounded."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+
+def _counts(keys) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for k in keys:
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
 def make_trainer(zr, cfg, loss_fn, workers: int, collective_timeout_s: float, **kwargs):
     return zr.Trainer(lambda: gpt.GPT(cfg), loss_fn, optimizer=zr.AdamW(lr=3e-3),
                       zero=zr.ZeroConfig(stage=3, collective_timeout_s=collective_timeout_s),
@@ -353,6 +398,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps-per-cycle", type=int, default=4)
     p.add_argument("--every", type=int, default=2, help="checkpoint every this many steps")
     p.add_argument("--collective-timeout", type=float, default=10.0)
+    p.add_argument("--snapshot-every", type=int, default=None, help="FailureConfig(snapshot_every): in-memory "
+                                                                    "snapshots, replace-don't-restart recovery")
+    p.add_argument("--spares", type=int, default=0, help="FailureConfig(spares): warm spare workers")
     p.add_argument("--cluster", default=None, help="DIR:HEAD_PORT:DASHBOARD_PORT of a running local-cluster.sh "
                                                    "cluster to use (default: start one, stop it at the end)")
     args = p.parse_args(argv)
@@ -392,9 +440,12 @@ def main(argv=None) -> int:
         control = tempfile.mkdtemp(prefix="zr-chaos-control-")
         root = StoragePath(ChaosStorage(control), os.path.join(control, "ckpt"))
         trainer = make_trainer(zr, cfg, functools.partial(gated_loss, control, gpt.gpt_loss), 2,
-                               args.collective_timeout, failure=zr.FailureConfig(max_failures=10 * args.cycles + 10),
+                               args.collective_timeout,
+                               failure=zr.FailureConfig(max_failures=10 * args.cycles + 10,
+                                                        snapshot_every=args.snapshot_every, spares=args.spares),
                                checkpoint=zr.CheckpointConfig(path=root, every_steps=args.every, keep=10**6))
-        injector = Injector(trainer, cluster, control, batches, faults, args.collective_timeout, say)
+        injector = Injector(trainer, cluster, control, batches, faults, args.collective_timeout, say,
+                            snapshots=args.snapshot_every is not None)
         data = ChaosData(batches, injector.on_fetch)
 
         t_chaos = time.monotonic()
@@ -415,7 +466,8 @@ def main(argv=None) -> int:
                 say(f"  cycle {fault.cycle:3d} {fault.kind:12s} step {fault.step:4d}: "
                     f"{'landed' if fault.landed else 'DID NOT LAND'}; {fault.note}; "
                     + (", ".join(f"recovered to step {r['step']} ({r['redone_steps']} redone) in {r['seconds']:.1f} s "
-                                 f"({r['cause'].split(':')[0]})" for r in recs) or "no recovery"))
+                                 f"({r['cause'].split(':')[0]}; {r.get('mode', 'restart')}, from "
+                                 f"{r.get('restored_from', '?')})" for r in recs) or "no recovery"))
         except Exception as error:  # noqa: BLE001 - the run failed: say how far it got
             say(f"chaos: training failed at step {trainer.step_count}: {type(error).__name__}: {error}")
             report = {"failed": f"{type(error).__name__}: {str(error)[:500]}", "step": trainer.step_count,
@@ -461,12 +513,17 @@ def main(argv=None) -> int:
                   "checkpoints_verified": len(checkpoint_gaps), "checkpoint_max_abs_diff": worst_checkpoint,
                   "leftovers": left, "wall_s": round(time.monotonic() - t_start, 1),
                   "chaos_fit_s": round(chaos_s, 1), "reference_s": round(ref_s, 1),
-                  "recovery_s_median": (sorted(r["seconds"] for r in recoveries)[len(recoveries) // 2]
-                                        if recoveries else None)}
+                  "recovery_s_median": _quantile([r["seconds"] for r in recoveries], 0.5),
+                  "recovery_s_p90": _quantile([r["seconds"] for r in recoveries], 0.9),
+                  "recoveries_by_mode": _counts(r.get("mode", "restart") for r in recoveries),
+                  "recoveries_from": _counts(r.get("restored_from", "?") for r in recoveries),
+                  "redone_per_fault": round(redone / max(1, len(injected)), 3),
+                  "snapshot_every": args.snapshot_every, "spares": args.spares}
         ok = (len(survived) == len(faults) and gap <= 1e-6 and worst_checkpoint <= 1e-6
               and not any(left.values()) and len(checkpoint_gaps) > 0)
         say(f"faults injected {len(injected)} / planned {len(faults)}, survived {len(survived)}; "
-            f"recoveries {len(recoveries)}; steps redone {redone} (of {total}); "
+            f"recoveries {len(recoveries)} (median {report['recovery_s_median']} s, p90 {report['recovery_s_p90']} s; "
+            f"{report['recoveries_by_mode']}, from {report['recoveries_from']}); steps redone {redone} (of {total}); "
             f"final weights vs uninterrupted: max |diff| {gap:.3g}; "
             f"{len(checkpoint_gaps)} checkpoints latest named all load, max |diff| vs uninterrupted "
             f"{worst_checkpoint:.3g}; left: {left}; wall {report['wall_s']:.0f} s "

@@ -272,10 +272,18 @@ class FailureConfig:
     new snapshot is being taken the one it replaces; the copy runs on the worker between its
     steps. See [Note: in-memory snapshots] in runtime/snapshot.py for when it is lost (the
     node's object store died with its node) and recovery falls back to the disk checkpoint.
+    With snapshots, a failure keeps the surviving workers: only the lost ones are replaced, the
+    collective group is re-formed at the same size and every worker loads the snapshot.
+
+    spares: warm spare workers kept beside the group (0: none), each in a placement-group bundle
+    of its own (the resources of one more worker: ``cpus_per_worker`` CPUs, and a GPU with
+    ``use_gpu``) and a process with torch loaded; a replacement takes a spare instead of
+    starting a process, and a new spare starts in the background. Used with ``snapshot_every``.
     """
 
     max_failures: int = 0
     snapshot_every: Optional[int] = None
+    spares: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_failures, int) or isinstance(self.max_failures, bool) or self.max_failures < 0:
@@ -284,6 +292,11 @@ class FailureConfig:
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             _fail("FailureConfig", "snapshot_every", v,
                   "it must be an integer >= 1 (snapshot every that many steps), or None for no snapshots")
+        if not isinstance(self.spares, int) or isinstance(self.spares, bool) or self.spares < 0:
+            _fail("FailureConfig", "spares", self.spares, "it must be an integer >= 0 (warm spare workers)")
+        if self.spares and self.snapshot_every is None:
+            _fail("FailureConfig", "spares", self.spares,
+                  "spares replace lost workers while a fit keeps in-memory snapshots: set snapshot_every too")
 
 
 @dataclass(frozen=True, kw_only=True)

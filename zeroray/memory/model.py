@@ -140,10 +140,26 @@ def model_state_bytes(num_params: Union[int, float], num_workers: int, stage: in
 
 def estimate_memory(num_params: Union[int, float], num_workers: int, stage: int,
                     dtype: str = "fp16", optimizer: OptimizerLike = "adam",
-                    grad_dtype: Optional[str] = None) -> int:
+                    grad_dtype: Optional[str] = None, snapshot: bool = False) -> int:
     """Total bytes of model states per worker (paper Figure 1: 7.5e9 params, 64 workers,
-    fp16, Adam -> 120e9, 31.4e9, 16.6e9, 1.9e9 bytes for stages 0-3)."""
-    return model_state_bytes(num_params, num_workers, stage, dtype, optimizer, grad_dtype).total
+    fp16, Adam -> 120e9, 31.4e9, 16.6e9, 1.9e9 bytes for stages 0-3). ``snapshot``: plus one
+    in-memory snapshot per worker (``FailureConfig(snapshot_every)``, :func:`snapshot_bytes`)."""
+    total = model_state_bytes(num_params, num_workers, stage, dtype, optimizer, grad_dtype).total
+    return total + (snapshot_bytes(num_params, num_workers, optimizer) if snapshot else 0)
+
+
+def snapshot_bytes(num_params: Union[int, float], num_workers: int, optimizer: OptimizerLike = "adam",
+                   padded_numel: Optional[int] = None) -> int:
+    """Bytes of one worker's in-memory snapshot (``FailureConfig(snapshot_every)``): what a
+    checkpoint holds for its rank, the fp32 master and the optimizer state of its shard, at
+    every stage and dtype (stage 0 exports its shard of the replicated state): 4 + 4·(state
+    floats) bytes per element of the shard, 1/Nd of the model states' fp32 copy. It lives in
+    Ray's object store (the node's shared memory), not in the worker's heap. ``padded_numel``
+    as in :func:`model_state_bytes`."""
+    numel = _check_count("num_params", num_params, 0)
+    num_workers = _check_workers("num_workers", num_workers)
+    shard = -(-numel // num_workers) if padded_numel is None else padded_numel // num_workers
+    return (4 + 4 * _state_floats(optimizer)) * shard
 
 
 def max_params_that_fit(memory_bytes: Union[int, float], num_workers: int, stage: int,

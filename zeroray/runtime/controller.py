@@ -79,8 +79,9 @@ class Controller:
     """Owns the worker group, the step count, the data position and the last checkpoint; every
     change of what the trainer is doing goes through one of its methods ([Note: trainer states])."""
 
-    def __init__(self, spec: WorkerSpec, scaling: ScalingConfig, zero: ZeroConfig) -> None:
+    def __init__(self, spec: WorkerSpec, scaling: ScalingConfig, zero: ZeroConfig, spares: int = 0) -> None:
         self.spec, self.scaling, self.zero = spec, scaling, zero
+        self.spares = spares  # warm spare actors per group ([Note: replace, don't restart] in worker_group.py)
         self.slot = GroupSlot()
         self.states = StateMachine()              # what the trainer is doing: its only writer
         self.step_count = 0
@@ -112,10 +113,11 @@ class Controller:
         return self.group.num_workers
 
     def _start(self, num_workers: int) -> None:
-        self._adopt(WorkerGroup(self.spec, num_workers, self.scaling))
+        self._adopt(WorkerGroup(self.spec, num_workers, self.scaling, spares=self.spares))
 
     def _adopt(self, group: WorkerGroup) -> None:
         self.slot.group = group
+        group.keep_survivors = self._replaceable()
         info = group.setup_info[0]
         self.layout: FlatLayout = info.layout
         self.state_dict_keys: List[str] = list(info.state_dict_keys)
@@ -212,6 +214,7 @@ class Controller:
                 raise RuntimeError(f"the snapshot behind step {result.step} holds steps "
                                    f"{[r['step'] for r in records]}: a zeroray bug")
             self.snapshots.promote(pending.snapshot, result.step, self.data_position)
+            self.group.hold_copies(pending.snapshot.shards)  # [Note: buddy copies] in snapshot.py
         result.timeline = {"submit": pending.submitted_at, **outs[0].hops.as_dict(), "receive": time.time()}
         return result
 
@@ -294,13 +297,27 @@ class Controller:
         every ``snapshot_every`` steps an in-memory snapshot ([Note: in-memory snapshots])."""
         self.states.enter(TrainerState.FITTING)
         self.snapshots = SnapshotKeeper(snapshot_every)
+        self.group.keep_survivors = self._replaceable()
         self.data_position = self.data_position if skip is None else skip
         self._fit_origin = (self.step_count, self.data_position)
 
     def end_fit(self) -> None:
         """FITTING -> IDLE (also after fit raised). The snapshot is released: it serves this fit only."""
         self.snapshots.drop()
+        self._drop_broken()
+        if self.slot.group is not None:
+            self.slot.group.keep_survivors = False
         self.states.leave(TrainerState.FITTING)
+
+    def _replaceable(self) -> bool:
+        """A failure keeps the survivors for a replacement: a fit with in-memory snapshots runs."""
+        return self.state in (TrainerState.FITTING, TrainerState.RECOVERING) and bool(self.snapshots.every)
+
+    def _drop_broken(self) -> None:
+        """Kill the survivors a failed group kept, when no replacement follows."""
+        group = self.slot.group
+        if group is not None and group.failed is not None and group.actors:
+            group.shutdown()
 
     def recover(self, error: BaseException, failures: FailurePolicy, scaling: ScalingPolicy,
                 note: Callable[[str], None]) -> None:
@@ -321,15 +338,20 @@ class Controller:
                         raise RuntimeError(f"training failed: {decision.reason}; original cause: "
                                            f"{type(error).__name__}: {error}") from error
                     raise error  # user code or input: the worker's own error, as it is
-                note(f"zeroray: {decision.reason}; restarting from {self._restart_source()}")
+                group = self.slot.group
+                replace = group is not None and bool(group.survivors)
+                note(f"zeroray: {decision.reason}; {'replacing the lost worker(s)' if replace else 'restarting'} "
+                     f"from {self._restart_source()}")
                 try:
-                    timings = self._restart(scaling, decision.reason, note)
+                    timings = self._replace(scaling, decision.reason, note) if replace else \
+                        self._restart(scaling, decision.reason, note)
                     break
                 except Exception as again:  # noqa: BLE001
                     if not is_worker_failure(again):
                         raise
                     error = again
         except BaseException:  # back to the fit, which raises; without a group, nothing can go on
+            self._drop_broken()
             self.states.enter(TrainerState.FITTING if self.slot.group is not None else TrainerState.CLOSED)
             raise
         self.states.leave(TrainerState.RECOVERING, TrainerState.FITTING)
@@ -341,6 +363,22 @@ class Controller:
                                 "num_workers": self.num_workers, **timings})
         note(f"zeroray: resumed at step {self.step_count} with {self.num_workers} worker(s), "
              f"{self.last_recovery_s:.1f} s after the failure was detected")
+
+    def _replace(self, scaling: ScalingPolicy, reason: str, note: Callable[[str], None]) -> Dict[str, Any]:
+        """Keep the survivors, put new workers (spares first) in the lost ranks, re-form the group
+        and load the snapshot into every worker ([Note: replace, don't restart] in worker_group.py).
+        When the new workers cannot be placed or built, restart the whole group instead."""
+        t0 = time.monotonic()
+        self.in_flight = 0
+        try:
+            timings: Dict[str, Any] = {"mode": "replace", **self.group.replace(
+                self.spec, self.scaling.placement_timeout_s)}
+        except (PlacementError, WorkerSetupError) as error:
+            note(f"zeroray: replacing the lost worker(s) failed ({type(error).__name__}: "
+                 f"{str(error).splitlines()[0]}); restarting the whole group")
+            return {**self._restart(scaling, reason, note), "replace_failed": str(error).splitlines()[0]}
+        self._adopt(self.group)
+        return self._restore_after_failure(reason, note, timings, time.monotonic(), t0)
 
     def _restart(self, scaling: ScalingPolicy, reason: str, note: Callable[[str], None]) -> Dict[str, float]:
         """Tear the group down, start one of the size the cluster offers, load the last checkpoint.
@@ -354,7 +392,14 @@ class Controller:
         t1 = time.monotonic()
         self._start(decision.num_workers)
         t2 = time.monotonic()
-        timings = {"teardown_s": t1 - t0, "start_s": t2 - t1, **self.group.timings}
+        timings = {"mode": "restart", "teardown_s": t1 - t0, "start_s": t2 - t1, **self.group.timings}
+        return self._restore_after_failure(reason, note, timings, t2, t0)
+
+    def _restore_after_failure(self, reason: str, note: Callable[[str], None], timings: Dict[str, Any],
+                               t2: float, t0: float) -> Dict[str, Any]:
+        """Load the newest complete snapshot into the (re-formed or new) group, or else the last
+        disk checkpoint, or else start over from the initial weights."""
+        timings.setdefault("start_s", t2 - t0)
         origin_step, origin_position = self._fit_origin
         timings["restored_from"] = "memory"
         if self._newer_snapshot() is not None:
@@ -389,9 +434,10 @@ class Controller:
         return timings
 
     def _newer_snapshot(self) -> Optional[Snapshot]:
-        """The complete in-memory snapshot, when it is newer than the last disk checkpoint."""
+        """The complete in-memory snapshot, unless the last disk checkpoint is newer (at the same
+        step, memory is the faster read)."""
         snap = self.snapshots.complete
-        if snap is None or (self.last_checkpoint_step is not None and self.last_checkpoint_step >= snap.step):
+        if snap is None or (self.last_checkpoint_step is not None and self.last_checkpoint_step > snap.step):
             return None
         return snap
 
@@ -500,7 +546,7 @@ class Controller:
             scaling = ScalingConfig(**{**vars(self.scaling), "num_workers": num_workers,
                                        "min_workers": min(self.scaling.min_workers or num_workers, num_workers)})
             try:
-                new = WorkerGroup(self.spec, num_workers, scaling)
+                new = WorkerGroup(self.spec, num_workers, scaling)  # spares once the old group is gone
             except (PlacementError, WorkerSetupError) as error:
                 raise type(error)(
                     f"resize({num_workers}) did not happen, and the Trainer goes on with its {old.num_workers} "
@@ -513,6 +559,7 @@ class Controller:
                 new.shutdown()
                 raise
             old.shutdown()
+            new.add_spares(self.spares)
             self._adopt(new)
             self.scaling = scaling
             self.step_count = steps[0]

@@ -99,9 +99,13 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
         bar = Progress(num_steps, metrics_path=metrics_path) if progress else None
         note = bar.note if bar else log.warning
         results: List[StepResult] = []
+        resave = False
         try:
             while True:
                 try:
+                    if resave:  # the save a failure interrupted: recovery resumed at its step
+                        resave = False
+                        controller.save(checkpoint.path, checkpoint.keep)
                     _run(controller, feed, end, checkpoint, results, bar, evaluation)
                     if evaluation is not None:
                         evaluation.finish(controller, results, bar)
@@ -110,6 +114,11 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
                     feed.close()
                     controller.recover(error, failures, scaling, note)
                     results[:] = [r for r in results if r.step <= controller.step_count]  # replayed below
+                    # From an in-memory snapshot, recovery may resume exactly at a step whose save
+                    # the failure interrupted (a worker died writing it): the loop would not save
+                    # that step again, and a later recovery would find only an older checkpoint.
+                    resave = (controller.step_count > 0 and _saves_after(controller.step_count, checkpoint)
+                              and controller.last_checkpoint_step != controller.step_count)
                     feed = _feed(controller, data, batch_size)
         finally:
             feed.close()

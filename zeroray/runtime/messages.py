@@ -50,6 +50,7 @@ class SetupInfo:
     state_dict_keys: Tuple[str, ...]  # model.state_dict()'s keys, in its order
     build_s: float                    # seconds to build the engine
     peak_rss_bytes: int               # the worker's peak RSS once built
+    rendezvous_s: float = 0.0         # seconds to join the collective group (before the build)
 
     def resize_target(self) -> Tuple[Dict[str, Any], int]:
         """What ``cut_pieces`` takes for this worker: (its state layout's to_dict(), its rank)."""

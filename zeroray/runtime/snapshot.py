@@ -29,8 +29,21 @@ lost when the object store that held a shard is gone: its node died (on one mach
 the head node, and the driver with it), or Ray evicted or could not restore a spilled object.
 A worker that cannot fetch a shard says so instead of raising; the driver then drops the
 snapshot and falls back to the last disk checkpoint (or the initial weights), as without
-snapshots. Not built yet: a copy of each shard on a buddy worker of another node, which would
-let a snapshot survive its node's death too.
+snapshots. Since [Note: replace, don't restart] (worker_group.py), the survivors stay and load
+the snapshot too, so the recovery costs no process start when a warm spare takes the lost rank.
+
+[Note: buddy copies]
+Where a shard physically lives: the worker that returns it writes it into the object store of
+its own node (a return value is stored where the task ran), and the driver owns it. So a
+node's death takes a worker and its shard together. Each time a snapshot becomes the complete
+one, the driver asks every rank's *buddy*, the next rank on another node, to fetch that rank's
+shard (``Worker.hold_copy``, on a thread of its own beside the next step): the fetch pulls the
+object into the buddy's node store, and the buddy holds it (its arrays are views of that
+copy, which pins it) until the next snapshot's. The owner knows both locations, so when the
+first node dies Ray serves the shard from the copy. Cost: on a cluster, one more shard per
+worker in its buddy's node store, and the network copy, overlapped with the next step; on one
+node there is no buddy and no cost. A worker and its buddy lost together (two nodes, or one
+node before the copy arrived) lose the shard: the fallback is the disk checkpoint, as above.
 """
 from __future__ import annotations
 
@@ -69,7 +82,12 @@ def export_shard(engine: Any, rank: int) -> Tuple[Dict[str, Any], Any, Dict[str,
     """``Worker.snapshot_shard``'s three return values: (this rank's shard, rank 0's untrained
     state or None, a small record)."""
     tensors, scalars = engine.export_state()
-    shard = {"tensors": {k: to_wire(v) for k, v in tensors.items()}, "scalars": scalars}
+    # Ray copies a return value into the object store after the call returned, when the next
+    # step may already run: a tensor that is the live master (stages 1-3 on the CPU) is copied
+    # first, so the snapshot cannot catch that step's update half-way. Export's other tensors are new.
+    live = engine.master_shard().data_ptr()
+    shard = {"tensors": {k: to_wire(v.clone() if v.data_ptr() == live else v) for k, v in tensors.items()},
+             "scalars": scalars}
     untrained = engine.untrained_state() if rank == 0 else None
     return shard, untrained, {"step": engine.step_count}
 
@@ -100,6 +118,15 @@ def assemble(old_layout_dict: Dict[str, Any], target: Tuple[Dict[str, Any], int]
 
 
 # --- the driver's side -------------------------------------------------------------------------
+
+
+def buddies(node_ids: List[str]) -> List[Optional[int]]:
+    """Per rank, its buddy ([Note: buddy copies]): the first rank after it (cyclically) whose
+    worker runs on another node; None where every other rank shares its node."""
+    n = len(node_ids)
+    return [next(((r + k) % n for k in range(1, n) if node_ids[(r + k) % n] != node_ids[r]), None)
+            for r in range(n)]
+
 
 
 class SnapshotKeeper:

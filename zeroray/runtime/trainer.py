@@ -70,7 +70,7 @@ class Trainer:
         self.zero = resolve_stage(self.zero, model_fn, scaling, optimizer)  # stage="auto": the plan's choice
         spec = WorkerSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=optimizer, zero=self.zero, seed=seed,
                           param_groups=param_groups, scheduler=scheduler)
-        self.controller = Controller(spec, scaling, self.zero)
+        self.controller = Controller(spec, scaling, self.zero, spares=self.failure.spares)
         # Garbage collection of the Trainer releases its actors and placement group.
         self._finalizer = weakref.finalize(self, self.controller.slot.release)
         self.restored_from: Optional[Any] = None  # the checkpoint directory Trainer.restore loaded

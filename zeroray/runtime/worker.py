@@ -9,6 +9,7 @@ can tell a slow step from a dead worker, and name the ranks that did not reach a
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import os
 import socket
@@ -28,7 +29,8 @@ from zeroray.runtime.sequencer import Cancelled, Sequencer, Ticket
 # calls wait for their turn on the default group's threads (a running step, the step queued
 # behind it, a save or a report behind that), the polls never wait behind them.
 ENGINE_THREADS = 4
-CONCURRENCY_GROUPS = {"control": 1}
+# warm: a spare's imports; copy: a buddy's copy of a snapshot shard; neither in the polls' way.
+CONCURRENCY_GROUPS = {"control": 1, "warm": 1, "copy": 1}
 
 
 def engine_call(method: Callable) -> Callable:
@@ -58,6 +60,7 @@ class Worker:
         self._sequencer = Sequencer()
         self._arrived = threading.local()
         self._staged = None  # recovery: the state stage_snapshot assembled, until apply_snapshot
+        self._copy = None  # another rank's snapshot shard held here ([Note: buddy copies] in runtime/snapshot.py)
         self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/local_feed.py)
         self.memory = ProcessMemory()  # before the model: the baseline; engine work on one thread
 
@@ -85,20 +88,48 @@ class Worker:
         return {"rank": self.rank, "step": self.engine.step_count if self.engine is not None else None,
                 "collectives": calls, "busy": self._sequencer.busy}
 
+    @ray.method(concurrency_group="warm")
+    def warm(self) -> None:
+        """A spare's start ([Note: replace, don't restart] in worker_group.py): load now what the
+        first build of an engine would import (the first torch optimizer imports torch._dynamo),
+        so that taking the spare costs only the rendezvous and the build itself."""
+        import torch._dynamo  # noqa: F401
+
+        from zeroray.comm.group import make_torch_group  # noqa: F401
+        from zeroray.engine.engine import Engine  # noqa: F401
+
+    @ray.method(concurrency_group="copy")
+    def hold_copy(self, shard_refs: List[Any]) -> None:
+        """Fetch another rank's snapshot shard into this node's object store and hold it there
+        until the next one ([Note: buddy copies] in runtime/snapshot.py). The ref arrives in a
+        list so that Ray does not fetch it before the call; a shard lost already is skipped."""
+        self._copy = None  # the previous copy goes first: one held at a time
+        try:
+            self._copy = ray.get(shard_refs[0])
+        except Exception:  # noqa: BLE001 - nothing to copy; the snapshot's own copy decides
+            self._copy = None
+
     # --- wiring ----------------------------------------------------------------------------
 
     @engine_call
-    def setup(self, spec: WorkerSpec, master_addr: str, master_port: int) -> SetupInfo:
-        """Join the collective group and build this rank's engine."""
+    def setup(self, spec: WorkerSpec, master_addr: str, master_port: int, rank: Optional[int] = None) -> SetupInfo:
+        """Join the collective group and build this rank's engine. Again, after a failure: leave
+        the broken group and drop the engine first, and take ``rank`` (a spare's first setup);
+        see [Note: replace, don't restart] in worker_group.py."""
         from zeroray.comm.group import make_torch_group
         from zeroray.engine.engine import Engine
 
+        if self.group is not None:
+            self._leave_group()
+        if rank is not None:
+            self.rank = rank
         zero = spec.zero
         device = "cpu"
         if self.use_gpu:
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
             device = "cuda:0"
         backend = "nccl" if self.use_gpu else "gloo"
+        t_join = time.perf_counter()
         self.group = make_torch_group(backend, self.rank, self.world_size, master_addr, master_port,
                                       timeout_s=zero.collective_timeout_s, store_prefix=spec.group_name)
         t0 = time.perf_counter()
@@ -109,7 +140,16 @@ class Worker:
         return SetupInfo(layout=self.engine.layout, state_layout=state_layout, state_rank=state_rank,
                          # keep_vars: stage 3's trainable parameters hold no values between steps
                          state_dict_keys=tuple(self.engine.model.state_dict(keep_vars=True).keys()),
-                         build_s=time.perf_counter() - t0, peak_rss_bytes=self.memory.report()["peak_rss_bytes"])
+                         build_s=time.perf_counter() - t0, peak_rss_bytes=self.memory.report()["peak_rss_bytes"],
+                         rendezvous_s=t0 - t_join)
+
+    def _leave_group(self) -> None:
+        """Drop the engine and close the old collective group. The close runs on a thread of its
+        own: a receive still posted on a broken gloo connection ends only at the group's timeout,
+        and the new group must not wait for that."""
+        group, self.group, self.engine, self.feed, self._staged = self.group, None, None, None, None
+        gc.collect()  # the old engine's model and state, before the new one is built
+        threading.Thread(target=_close_quietly, args=(group,), daemon=True, name="zeroray-old-group").start()
 
     # --- training --------------------------------------------------------------------------
 
@@ -284,3 +324,10 @@ class Worker:
         self.engine.import_state(*assembler.state())
         self.engine.import_untrained(untrained)
         return self.engine.step_count
+
+
+def _close_quietly(group: Any) -> None:
+    try:
+        group.close()
+    except Exception:  # noqa: BLE001 - a broken group may fail to close; it is dropped either way
+        pass

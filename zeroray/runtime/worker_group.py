@@ -19,6 +19,25 @@ are left out of step with each other, the driver kills them all (ray.kill) befor
 survivors blocked in a collective are never waited for. An error that every worker raised
 together (the engine's step outcome, see zeroray/errors.py) leaves the group usable. The
 controller's recovery restarts on the first three kinds.
+
+[Note: replace, don't restart]
+While a fit keeps in-memory snapshots, the group is built with ``keep_survivors`` set: on one
+of those three kinds of failure, the driver kills only the workers that are dead or did not
+answer within the grace (hung, or blocked in a collective with a hung peer) and keeps the
+others, the *survivors*, whose call came back with an error. ``replace`` then puts a worker in
+each lost rank: a warm spare when there is one (``FailureConfig(spares=k)``: actors started
+with the group in bundles of their own, their Python, torch and the lazy imports of a first
+build already loaded, so taking one costs no process start), otherwise a new actor in the
+lost rank's bundle. Then every worker, survivors included, joins a new collective group at
+the same size (a new rendezvous: the old group's connections are broken) and builds its
+engine again in its own process. Survivors rebuild instead of reusing their engine because
+the failed step may have stopped anywhere: inside a collective, with buckets in flight,
+units gathered, gradients half reduced or the update half published; a new engine from
+``model_fn`` holds none of that. The controller then loads the snapshot into every worker
+(the survivors roll back to it as well, since their step may have half-applied), so at most
+the failed step is redone. A spare taken is made good in the background, in the bundle the
+lost worker left. When no replacement can be placed or built, ``replace`` raises and the
+controller restarts the whole group as before.
 """
 from __future__ import annotations
 
@@ -76,12 +95,19 @@ class WorkerGroup:
     the engines. ``wait_all`` collects one call per worker and says who failed and how.
     """
 
-    def __init__(self, spec: WorkerSpec, num_workers: int, scaling: ScalingConfig) -> None:
+    def __init__(self, spec: WorkerSpec, num_workers: int, scaling: ScalingConfig, spares: int = 0) -> None:
         self.num_workers = num_workers
         self.pg = None
         self.actors: List[Any] = []
         self.nodes: List[Dict[str, Any]] = []
         self.failed: Optional[str] = None  # why the group was torn down after a failure
+        # [Note: replace, don't restart]: kill only the lost workers on a failure (set during a
+        # fit with snapshots); ``survivors`` are the ranks kept, until ``replace`` or ``shutdown``.
+        self.keep_survivors = False
+        self.survivors: List[int] = []
+        self.bundles: List[Optional[int]] = list(range(num_workers))  # per rank: its bundle (None: outside)
+        self.spares: List[Any] = []  # warm actors, each (actor, bundle index, its warm call)
+        self._scaling, self._threads = scaling, scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
         self.collective_timeout_s = spec.zero.collective_timeout_s
         self._next_seq = [0] * num_workers  # per worker: the number of its next engine call
         self._numbering = threading.Lock()  # driver threads (a fit, a report) may call at once
@@ -89,28 +115,23 @@ class WorkerGroup:
         if scaling.use_gpu:
             bundle["GPU"] = 1
         t0 = time.monotonic()
-        self.pg = placement_group([dict(bundle) for _ in range(num_workers)], strategy=scaling.placement_strategy)
+        self.pg = placement_group([dict(bundle) for _ in range(num_workers + spares)],
+                                  strategy=scaling.placement_strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=scaling.placement_timeout_s)
         if not ready:
             remove_placement_group(self.pg)
             self.pg = None
-            wanted = ", ".join(f"{k} {v * num_workers:g}" for k, v in bundle.items())
+            wanted = ", ".join(f"{k} {v * (num_workers + spares):g}" for k, v in bundle.items())
             raise PlacementError(
-                f"could not place {num_workers} worker(s) of {bundle} each ({wanted} in all, strategy "
+                f"could not place {num_workers} worker(s)" + (f" and {spares} spare(s)" if spares else "")
+                + f" of {bundle} each ({wanted} in all, strategy "
                 f"{scaling.placement_strategy}) within placement_timeout_s={scaling.placement_timeout_s:g}: "
                 f"{_cluster_offer()}. Ask for fewer workers (ScalingConfig.num_workers), fewer CPUs per worker "
                 "(cpus_per_worker), or add nodes.")
         self.timings = {"placement_s": time.monotonic() - t0}  # where the start-up time goes
-        threads = scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
-        actor_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)
         try:
             for rank in range(num_workers):
-                strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                            placement_group_bundle_index=rank)
-                self.actors.append(actor_cls.options(
-                    num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
-                    scheduling_strategy=strategy, max_concurrency=ENGINE_THREADS, max_restarts=0,
-                    name=None).remote(rank, num_workers, threads, scaling.use_gpu))
+                self.actors.append(self._new_actor(rank, rank))
             self.nodes = ray.get(self.poll("node_info"))
             self.timings["actors_s"] = time.monotonic() - t0 - self.timings["placement_s"]
             master_addr = self.nodes[0]["ip"]
@@ -118,11 +139,122 @@ class WorkerGroup:
             spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
             self.setup_info: List[SetupInfo] = ray.get(self.call("setup", spec, master_addr, master_port))
             self.timings["setup_s"] = time.monotonic() - t0 - self.timings["placement_s"] - self.timings["actors_s"]
+            self.timings["rendezvous_s"] = max(i.rendezvous_s for i in self.setup_info)  # parts of setup_s
+            self.timings["build_s"] = max(i.build_s for i in self.setup_info)
         except BaseException as error:
             self.shutdown()
             if isinstance(error, ray.exceptions.RayTaskError):
                 raise setup_error(error) from error
             raise
+        for index in range(num_workers, num_workers + spares):  # after the group: they do not slow its start
+            self._add_spare(index)
+
+    def _new_actor(self, rank: int, bundle_index: Optional[int]) -> Any:
+        """A worker actor in bundle ``bundle_index`` of the placement group, or outside it (None);
+        rank -1: a spare."""
+        scaling = self._scaling
+        strategy = "DEFAULT" if bundle_index is None else PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=bundle_index)
+        return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker).options(
+            num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
+            scheduling_strategy=strategy, max_concurrency=ENGINE_THREADS, max_restarts=0,
+            name=None).remote(rank, self.num_workers, self._threads, scaling.use_gpu)
+
+    def add_spares(self, count: int) -> None:
+        """Spares outside the placement group (after a resize, whose group was placed without
+        them so that the old and the new group fit side by side); not waited for."""
+        for _ in range(count):
+            self._add_spare(None)
+
+    def _add_spare(self, bundle_index: Optional[int]) -> None:
+        """Start a spare in ``bundle_index`` (None: outside the placement group) and have it load
+        what a build imports; not waited for."""
+        actor = self._new_actor(-1, bundle_index)
+        self.spares.append((actor, bundle_index, actor.warm.remote()))
+
+    def hold_copies(self, shard_refs: Sequence[Any]) -> int:
+        """Have a buddy on another node copy each rank's snapshot shard ([Note: buddy copies] in
+        snapshot.py): rank r's buddy is the next rank after r on another node; none on one node.
+        Not waited for. Returns how many copies were asked for."""
+        from zeroray.runtime.snapshot import buddies
+
+        asked = 0
+        for rank, buddy in enumerate(buddies([node["node_id"] for node in self.nodes])):
+            if buddy is not None and shard_refs[rank] is not None:
+                self.actors[buddy].hold_copy.remote([shard_refs[rank]])
+                asked += 1
+        return asked
+
+    def spares_warm(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait up to ``timeout_s`` for every spare to be started and warm; whether they are."""
+        refs = [ref for _, _, ref in self.spares]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        return len(ready) == len(refs)
+
+    # --- replacing lost workers ([Note: replace, don't restart]) ------------------------------
+
+    def replace(self, spec: WorkerSpec, timeout_s: float) -> Dict[str, float]:
+        """Put a worker in every rank that is not a survivor (a spare, or a new actor in the rank's
+        bundle), then re-form the collective group at the same size with every worker building
+        its engine again. Returns the seconds of each phase. Raises PlacementError when a new
+        worker does not start within ``timeout_s`` (the caller then restarts the whole group);
+        a worker failure during it raises as ``wait_all`` does (the group is broken again)."""
+        if self.failed is None or not self.survivors:
+            raise RuntimeError("replace: the group has no survivors to keep (a zeroray bug)")
+        t0 = time.monotonic()
+        lost = [r for r in range(self.num_workers) if r not in self.survivors]
+        freed = []
+        used_spares = 0
+        for rank in lost:
+            freed.append(self.bundles[rank])
+            if self.spares:
+                self.actors[rank], self.bundles[rank], _ = self.spares.pop(0)
+                used_spares += 1
+            else:
+                self.actors[rank] = self._new_actor(rank, self.bundles[rank])
+                freed.pop()  # the new actor takes the lost one's bundle
+            self._next_seq[rank] = 0
+        try:
+            refs = self.poll("node_info")
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            if len(ready) < len(refs):
+                raise PlacementError(f"replace: the new worker(s) for rank(s) {lost} did not start within "
+                                     f"{timeout_s:g} s: {_cluster_offer()}")
+            self.nodes = [{**node, "rank": rank} for rank, node in enumerate(self._answers(refs, "start"))]
+            t1 = time.monotonic()
+            master_port = self._answers(self.poll("free_port", ranks=[0]), "re-form the group")[0]
+            spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
+            self.failed, self.survivors = None, []
+            self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0]["ip"], master_port, r)
+                                                                     for r in range(self.num_workers)]),
+                                            None, "re-form the group")
+        finally:
+            for index in freed if self.pg is not None else ():  # spares again, where the lost workers were
+                self._add_spare(index)
+        return {"replaced": len(lost), "spares_used": used_spares, "replace_start_s": t1 - t0,
+                "setup_s": time.monotonic() - t1, "rendezvous_s": max(i.rendezvous_s for i in self.setup_info),
+                "build_s": max(i.build_s for i in self.setup_info)}
+
+    def _answers(self, refs: List[Any], what: str) -> List[Any]:
+        """ray.get of polls during ``replace``; when a worker died meanwhile, the group fails as
+        ``wait_all`` makes it fail (the ones still alive kept), so the caller can replace again."""
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as error:
+            probes = [a.node_info.remote() for a in self.actors]
+            ready, _ = ray.wait(probes, num_returns=len(probes), timeout=5.0)
+            alive = []
+            for rank, ref in enumerate(probes):
+                try:
+                    if ref in ready:
+                        ray.get(ref)
+                        alive.append(rank)
+                except ray.exceptions.RayActorError:
+                    pass
+            dead = [r for r in range(self.num_workers) if r not in alive]
+            message = f"replace ({what}): worker(s) {dead} died: {first_line(error)}"
+            self._tear_down(message, alive)
+            raise WorkerDiedError(message, dead, error) from error
 
     # --- calls -----------------------------------------------------------------------------
 
@@ -161,13 +293,14 @@ class WorkerGroup:
                                "FailureConfig(max_failures>0) and CheckpointConfig(every_steps=...))")
 
     def shutdown(self) -> None:
-        """Kill the actors and remove the placement group (no call of theirs is waited for)."""
-        for actor in self.actors:
+        """Kill the actors and spares, remove the placement group (no call of theirs is waited for)."""
+        self.survivors = []
+        for actor in self.actors + [a for a, _, _ in self.spares]:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
-        self.actors = []
+        self.actors, self.spares = [], []
         if self.pg is not None:
             try:
                 remove_placement_group(self.pg)
@@ -222,20 +355,26 @@ class WorkerGroup:
                         first_error_at = time.monotonic()
         if not errors and not pending:
             return [results[r] for r in ranks]
-        self._fail(errors, [rank_of[r] for r in pending], what, sorted(results) if lockstep else [])
+        self._fail(errors, [rank_of[r] for r in pending], what, sorted(results) if lockstep else [],
+                   answered=sorted(results))
         raise AssertionError("unreachable")
 
     def _fail(self, errors: Dict[int, BaseException], pending: List[int], what: str,
-              succeeded: Sequence[int] = ()) -> None:
-        """Raise the error that explains a failed wait_all; see [Note: failure detection]."""
+              succeeded: Sequence[int] = (), answered: Sequence[int] = ()) -> None:
+        """Raise the error that explains a failed wait_all; see [Note: failure detection].
+        ``answered``: the ranks whose call returned a result (kept as survivors with the ranks
+        that raised, when the group keeps survivors: [Note: replace, don't restart])."""
         kinds = {rank: classify_error(e) for rank, e in errors.items()}
         dead = sorted(r for r, k in kinds.items() if k is ErrorKind.DIED)
+        alive = sorted((set(errors) | set(answered)) - set(dead))
         if dead:
             cause = errors[dead[0]]
-            message = (f"{what}: worker(s) {self._describe(dead)} died: {first_line(cause)}. "
-                       "The worker group was shut down; fit restarts from the last checkpoint when "
-                       "FailureConfig(max_failures) allows it")
-            self._tear_down(message)
+            message = (f"{what}: worker(s) {self._describe(dead)} died: {first_line(cause)}. " + (
+                "The other workers were kept: fit replaces the lost one(s) and resumes from the in-memory snapshot"
+                if self.keep_survivors and alive else
+                "The worker group was shut down; fit restarts from the last checkpoint when "
+                "FailureConfig(max_failures) allows it"))
+            self._tear_down(message, alive)
             raise WorkerDiedError(message, dead, cause) from cause
         users = sorted(r for r, k in kinds.items() if k in (ErrorKind.USER, ErrorKind.PEER_STEP))
         if users:
@@ -262,12 +401,12 @@ class WorkerGroup:
                        f"did not arrive{waited}. Every worker must run the same forward/backward (same modules, "
                        "same number of micro-batches); if one is just slow (data loading, a long first step), "
                        "raise ZeroConfig(collective_timeout_s=...). The worker group was shut down")
-            self._tear_down(message)
+            self._tear_down(message, sorted(set(alive) - set(late)))
             raise CollectiveTimeoutError(message, late, cause) from cause
         message = (f"{what}: worker(s) {self._describe(broken)} lost the connection to a peer "
                    f"({first_line(cause)}); worker(s) {self._describe(late) if late else '(unknown)'} "
                    "probably died or became unreachable. The worker group was shut down")
-        self._tear_down(message)
+        self._tear_down(message, sorted(set(alive) - set(late)))
         raise WorkerGroupError(message, late, cause) from cause
 
     def _late_ranks(self, pending: List[int]) -> List[int]:
@@ -299,7 +438,19 @@ class WorkerGroup:
             where.append(f"{r} (pid {node['pid']} on {node['ip']})" if node else str(r))
         return "[" + ", ".join(where) + "]"
 
-    def _tear_down(self, reason: str) -> None:
-        log.warning("zeroray: %s; shutting the worker group down", reason)
+    def _tear_down(self, reason: str, alive: Sequence[int] = ()) -> None:
+        """Mark the group failed and kill its workers; with ``keep_survivors``, the ``alive`` ones
+        (their call came back) stay for ``replace`` ([Note: replace, don't restart])."""
         self.failed = reason
+        if self.keep_survivors and alive:
+            log.warning("zeroray: %s; keeping worker(s) %s, replacing the others", reason, list(alive))
+            self.survivors = list(alive)
+            for rank, actor in enumerate(self.actors):
+                if rank not in self.survivors:
+                    try:
+                        ray.kill(actor, no_restart=True)
+                    except Exception:  # noqa: BLE001 - already dead
+                        pass
+            return
+        log.warning("zeroray: %s; shutting the worker group down", reason)
         self.shutdown()
