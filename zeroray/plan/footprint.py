@@ -2,12 +2,17 @@
 the gathered window, the gradient buckets, the logits, and a fragmentation slack.
 
 [Note: peak memory]
-- model states: ``model_state_bytes`` of the parameters this GPU's tensor-parallel slice holds;
+- model states: ``model_state_bytes`` of the parameters this GPU's tensor-parallel slice holds,
+  with the engine's fp32 gradient (engine/storage.py, [Note: stage data flow]: in mixed precision
+  the reduced gradient is an fp32 tensor, full at stage 0, a shard at 1-3: 4 bytes per element,
+  not the paper's 2);
 - activations: ``activation_bytes`` of the blocks for one micro-batch (checkpointing: one
   checkpoint per block plus one block's working set), divided by ``tp`` (Megatron splits them);
 - stage 3: the prefetch window plus the two units in use; stages 0-2: two gradient buckets
   (one filling, one in flight); stage 1: the gradient is full-size until it is reduced;
 - logits: the micro-batch's ``tokens · vocab`` in the compute dtype and fp32 for the loss;
+- ``allocated``: the sum of the above, what the allocator hands out at the peak (what
+  ``torch.cuda.max_memory_allocated`` reports);
 - slack: 10% of the above (allocator fragmentation) plus 1 GB (CUDA context, workspaces).
 """
 from __future__ import annotations
@@ -24,7 +29,8 @@ CONTEXT_BYTES = 1e9
 def peak_memory(w: Workload, cfg: Any, window: int, bucket_bytes: int) -> Dict[str, float]:
     """[Note: peak memory] for ``cfg`` (a replay.RunConfig) with this window and bucket size."""
     elem = DTYPE_BYTES[cfg.dtype]
-    states = model_state_bytes(-(-w.params // cfg.tp), cfg.dp, cfg.stage, cfg.dtype, cfg.optimizer).total
+    states = model_state_bytes(-(-w.params // cfg.tp), cfg.dp, cfg.stage, cfg.dtype, cfg.optimizer,
+                               grad_dtype="fp32").total
     blocks = sum(1 for u in w.units if u.attention)
     act = 0
     if blocks and w.hidden > 1:
@@ -38,4 +44,4 @@ def peak_memory(w: Workload, cfg: Any, window: int, bucket_bytes: int) -> Dict[s
     subtotal = states + act + buffers + logits
     slack = FRAGMENTATION * subtotal + CONTEXT_BYTES
     return {"states": float(states), "activations": float(act), "buffers": float(buffers), "logits": float(logits),
-            "slack": float(slack), "total": float(subtotal + slack)}
+            "allocated": float(subtotal), "slack": float(slack), "total": float(subtotal + slack)}
