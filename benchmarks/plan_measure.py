@@ -16,7 +16,9 @@ Three kinds, each written into one JSON (benchmarks/results/plan_cpu_measured.js
   train a tiny model (d_model 32, one layer, 16 tokens) the same way: what a step costs with
   almost no work, the Ray call and the engine's fixed per-step work.
 
-Nothing here predicts; plan_check.py compares. The measuring never runs two rows at once.
+Nothing here predicts; plan_check.py compares. The measuring never runs two rows at once. The
+workers run at the floor's niceness (0, not Ray's default 15), so that load from other processes
+slows both alike.
 """
 from __future__ import annotations
 
@@ -137,6 +139,7 @@ def measure_steps(session, model: str, workers: int, steps: int, warmup: int, ro
     out["floor"] = {"params": floor.numel, "tokens": spec.batch_per_worker * spec.seq_len,
                     "fwd_bwd_s": statistics.median(floor.fwd_bwd[i] for i in timed),
                     "adamw_s": statistics.median(floor.adamw[i] for i in timed),
+                    "fwd_bwd_all_s": [floor.fwd_bwd[i] for i in timed], "adamw_all_s": [floor.adamw[i] for i in timed],
                     "round_medians": floor_rounds, "spec": spec.as_dict()}
     return out
 
@@ -153,8 +156,27 @@ def measure(models=MODELS, worlds=(2, 3), rounds: int = 2, steps: int = 8, warmu
     result["gloo"] = calibrate_gloo(list(worlds))
     from zr_run import ZeroraySession
 
-    session = ZeroraySession()
+    # Ray starts its workers at niceness 15: on a machine other work shares, they would then wait
+    # behind every ordinary process while the floor (this process, niceness 0) does not, and the
+    # rows would measure the neighbours. The Ray this session starts runs them at 0, like the floor.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    import logging
+
+    import ray
+
+    session = ZeroraySession()  # first: it sets the PYTHONPATH the workers need
+    started = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+    if started:  # room for the four stages' workers at once (zeroray's own local Ray has max(cores, 8) CPUs)
+        ray.init(num_cpus=max(16, 4 * max(worlds)), include_dashboard=False, logging_level=logging.WARNING)
     result["steps"], result["overhead"] = {}, {}
+
+    def write() -> None:  # after every row set, so that an interrupted run keeps what it measured
+        result["machine"]["load_after"] = os.getloadavg()
+        result["wall_s"] = time.time() - t0
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
     try:
         for workers in worlds:
             tiny = replace(spec_for("gpt", workers, steps, warmup), d_model=32, n_layers=1, n_heads=1, seq_len=16,
@@ -171,12 +193,11 @@ def measure(models=MODELS, worlds=(2, 3), rounds: int = 2, steps: int = 8, warmu
                     for n, r in rec.items() if n != "floor") +
                     f"; floor fwd+bwd {rec['floor']['fwd_bwd_s'] * 1e3:.0f} ms, AdamW {rec['floor']['adamw_s'] * 1e3:.1f} ms",
                     flush=True)
+                write()
     finally:
         session.close()
-    result["machine"]["load_after"] = os.getloadavg()
-    result["wall_s"] = time.time() - t0
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+        if started and ray.is_initialized():
+            ray.shutdown()
+    write()
     print(f"wrote {out} ({result['wall_s']:.0f} s)", flush=True)
     return result

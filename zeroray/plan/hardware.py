@@ -16,7 +16,9 @@ The H200's ``achieved`` is calibrated from one plain single-GPU step of the evid
 published single-GPU 39 TFLOP/s (30% of 125) at a large batch.
 
 CPU workers (``cores`` > 0) share the node's cores: with one thread each, ``W`` workers on ``C < W``
-cores each get ``C / W`` of a core for everything they compute, copy or launch (``core_share``).
+cores each get ``C / W`` of a core for everything they compute, copy or launch (``core_share``);
+with ``W >= C`` no core is left for communication, and a collective's time, gloo's α–β measured
+at that world size on the same cores, adds to the step instead of overlapping it (``saturated``).
 The ``cpu`` preset's figures are placeholders of this class of machine: benchmarks/plan_check.py
 builds this machine's from what benchmarks/plan_measure.py measured (the single-process step, the
 flat AdamW step, gloo's α–β and a tiny model's step for ``step_overhead_s``).
@@ -65,6 +67,11 @@ class Cluster:
         if self.cores <= 0:
             return 1.0
         return max(1.0, workers_on_node / self.cores)
+
+    def saturated(self, workers_on_node: int) -> bool:
+        """CPU workers that keep every core of the node busy: nothing is left to run a collective's
+        copies beside the compute (gloo over loopback TCP is the cores' own work)."""
+        return self.cores > 0 and workers_on_node >= self.cores
 
     def with_(self, **changes: Any) -> "Cluster":
         return replace(self, **changes)

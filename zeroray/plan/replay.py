@@ -25,7 +25,9 @@ it needs. What each stage issues is the engine's:
 
 Workers that share CPU cores (``Cluster.cores``: the CPU preset) share them: compute, copies, the
 optimizer and launches of each run ``core_share`` times slower when a node has more workers than
-cores ([Note: hardware presets]).
+cores, and when they have every core busy (``saturated``) a collective does not overlap the
+compute: gloo over loopback TCP moves its bytes with the same cores' copies, so the compute
+stream waits for it ([Note: hardware presets]).
 
 Backward costs twice the forward plus the recomputed share of it (``recompute``: 1 with
 activation checkpointing, 0 without; a selective policy recomputes a part, e.g. torchtitan's
@@ -125,6 +127,7 @@ def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
     unit_bytes = [max(1, u.params // cfg.tp) * elem for u in w.units]
     n = len(w.units)
     launch = cluster.launch_s * share
+    saturated = cluster.saturated(min(cfg.gpus, cluster.gpus_per_node))
     state = {"t": 0.0, "c": 0.0, "host": 0.0, "count": 0, "copy": 0.0}
 
     def issue(seconds: float) -> float:
@@ -132,6 +135,8 @@ def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
         state["host"] += launch
         state["count"] += 1
         state["c"] = max(state["c"], state["t"]) + seconds
+        if saturated:  # the transfer's copies take the cores the compute would have used
+            state["t"] = state["c"]
         return state["c"]
 
     def run(seconds: float) -> None:
