@@ -61,7 +61,7 @@ class RunConfig:
     accum: int = 1
     dtype: str = "bf16"
     bucket_bytes: int = 16 * MiB  # the engine's default
-    prefetch_bytes: Optional[int] = None  # stage 3 window; None: two blocks
+    prefetch_bytes: Optional[int] = None  # stage 3 window; None: the engine's (largest unit, at least a bucket)
     checkpointing: bool = True
     tp: int = 1
     optimizer: str = "adam"
@@ -105,10 +105,11 @@ class StepReport:
 
 
 def window_bytes(w: Workload, cfg: RunConfig) -> int:
-    """The stage-3 prefetch window in bytes: ``prefetch_bytes`` or two blocks."""
+    """The stage-3 prefetch window in bytes: ``prefetch_bytes``, or the engine's default
+    (fetch/coordinator.py): the largest unit, never less than one coalescing bucket."""
     if cfg.prefetch_bytes is not None:
         return cfg.prefetch_bytes
-    return 2 * max(u.params for u in w.units) // cfg.tp * DTYPE_BYTES[cfg.dtype]
+    return max(max(u.params for u in w.units) // cfg.tp * DTYPE_BYTES[cfg.dtype], cfg.bucket_bytes)
 
 
 def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
@@ -211,11 +212,12 @@ def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
 
 
 def _coalesce(units: List[int], unit_bytes: List[int], bound: int) -> List[List[int]]:
-    """Consecutive units into gathers of at most ``bound`` bytes (a larger unit goes alone)."""
+    """Consecutive units into gathers of at most ``bound`` bytes, a unit of ``bound`` or more alone
+    (comm/gather.py's ``coalesce``)."""
     groups: List[List[int]] = []
     size = 0
     for u in units:
-        if groups and size + unit_bytes[u] <= bound:
+        if groups and size + unit_bytes[u] <= bound and unit_bytes[u] < bound:
             groups[-1].append(u)
             size += unit_bytes[u]
         else:
@@ -233,5 +235,5 @@ def _stage3_schedule(n: int, unit_bytes: List[int], cfg: RunConfig, window: int)
     events += [(EventKind.BACKWARD, u) for u in range(n - 1, -1, -1)]
     return Schedule.build(events, [(u,) for u in range(n)], unit_bytes,
                           lambda units: _coalesce(units, unit_bytes, cfg.bucket_bytes),
-                          prefetch=window > 0, prefetch_bytes=window, max_live_bytes=max(window, 1) + 2 * max(unit_bytes),
-                          reuse_distance=2)
+                          prefetch=window > 0, prefetch_bytes=window, max_live_bytes=sum(unit_bytes),
+                          reuse_distance=2)  # the engine's defaults: no bound of its own on live bytes
