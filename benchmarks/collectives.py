@@ -5,8 +5,10 @@
 Both sides of each row run through ``zeroray.comm.group.TorchGroup`` on one gloo process
 group per world size, one thread per rank: ``point_to_point=False`` is the pg's
 ``_reduce_scatter_base`` / ``_allgather_base``, ``True`` the exchange of
-[Note: gloo point-to-point]. All-reduce, which DDP uses, is printed for scale. Each figure
-is the median of 8 timed calls after 2 warm-up calls, in ms, measured on rank 0.
+[Note: gloo point-to-point]. All-reduce, which DDP uses, is printed for scale (gloo's own ring;
+``all_reduce exchange`` is the engine's stage-0 call, the pair exchange at two ranks, gloo's at
+more). Each figure is the median of 8 timed calls after 2 warm-up calls, in ms, measured on rank 0.
+benchmarks/plan_measure.py reads the same rows (``_rank``) for the step simulator's α–β.
 """
 from __future__ import annotations
 
@@ -48,7 +50,10 @@ def _rank(rank: int, world: int, port: int, sizes_mb, queue) -> None:
         p2p.reduce_scatter(shard, full, scratch=scratch)
         assert torch.allclose(shard, expect.view(world, -1)[rank], rtol=1e-5, atol=1e-5), "exchange reduce-scatter is wrong"
         scratch_ar = full.clone()
-        row = {"mb": mb, "all_reduce": _time(lambda: native.all_reduce(scratch_ar))}
+        row = {"mb": mb, "world": world, "all_reduce": _time(lambda: native.all_reduce(scratch_ar))}
+        pair = p2p.all_reduce_scratch_numel(n)
+        ar_scratch = torch.empty(pair) if pair else None
+        row["all_reduce exchange"] = _time(lambda: p2p.all_reduce(scratch_ar, scratch=ar_scratch))
         for name, g in (("gloo", native), ("exchange", p2p)):
             row[f"reduce_scatter {name}"] = _time(lambda: g.reduce_scatter(shard, full, scratch=scratch))
             row[f"all_gather {name}"] = _time(lambda: g.all_gather(gathered, shard))

@@ -12,7 +12,9 @@ here yet: they are listed as missing rather than guessed.
 """
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import sys
 from dataclasses import replace
 
@@ -58,7 +60,8 @@ def paper() -> None:
 
     def tflops(layers: int, hidden: int, gpus: int) -> float:
         wl = gpt_shape(layers, hidden)
-        cfg = plan.RunConfig(2, gpus, dtype="fp16", tp=16, checkpointing=True)
+        # the paper's ZeRO reduces the fp16 gradients (zeroray reduces in fp32 unless told)
+        cfg = plan.RunConfig(2, gpus, dtype="fp16", tp=16, checkpointing=True, reduce_dtype="fp16")
         mb = max_micro_batch(wl, v100, cfg, limit=64)
         r = plan.simulate(wl, v100, replace(cfg, micro_batch=max(mb, 1)))
         # the paper counts the recomputed forward too (Megatron-LM's convention): 8/6 of model FLOPs
@@ -94,27 +97,188 @@ def h200() -> None:
         r = plan.simulate(w, cal, replace(run, stage=stage))
         row(f"H200 808M NCCL world-1 stage {stage} step s ({r.collectives} collectives)", r.step_s, measured, 0.15, " s")
     r = plan.simulate(w, solo, replace(run, stage=3))
-    row("H200 808M stage 3 peak GiB (measured 22.04, gpu_check)", r.peak_bytes / 2**30, 22.04, 0.15, " GiB")
+    # gpu_check's peak is torch.cuda.max_memory_allocated: what the allocator handed out, without
+    # the CUDA context or fragmentation; the footprint's "allocated" is the same quantity
+    row("H200 808M stage 3 allocated peak GiB (max_memory_allocated 22.04, gpu_check)",
+        r.memory["allocated"] / 2**30, 22.04, 0.15, " GiB")
+
+
+# Dense BF16 peaks (NVIDIA's H100 datasheet): SXM 989 TFLOP/s, NVL 835 (1,671 with sparsity). torchtitan's
+# GPUs are "HBM2e-based SXM H100 with lower TDP [500 W], the actual peak TFLOPs number is between SXM and
+# NVL, and we don't know its exact value" (benchmarks/llama3_h100_202412_torchtitan.md, footnote 2).
+H100_SXM_PEAK, H100_NVL_PEAK = 989e12, 835e12
+
+
+def titan_recompute(w: plan.Workload, cfg: dict) -> float:
+    """The share of the forward that torchtitan's selective (op) activation checkpointing recomputes:
+    it saves every op's output "except every second mm" of a block (torchtitan/distributed/
+    activation_checkpoint.py), so of a Llama block's matmuls in call order (wq, wk, wv, wo, w1, w3, w2)
+    wk, wo and w3 run again in backward; attention (sdpa) is saved."""
+    h, heads, kv, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    head_dim = h // heads
+    recomputed = 2 * (h * kv * head_dim + h * heads * head_dim + h * inter) * w.layers  # FLOPs per token
+    return recomputed / (w.flops_per_token / 3)
 
 
 def torchtitan() -> None:
+    """Llama 3.1 8B, FSDP, local batch 2 x 8192, selective (op) checkpointing, bf16 params and fp32
+    reductions (torchtitan's default mixed_precision_reduce), on Grand Teton H100s: 96 GB HBM2e at
+    2.4 TB/s, 500 W, 400 Gb/s per GPU between hosts (all from the benchmark's page)."""
     w = plan.model_preset("llama3-8b", seq_len=8192)
-    h100 = plan.cluster_preset("h100", memory_bytes=96e9)
+    recompute = titan_recompute(w, plan.MODEL_PRESETS["llama3-8b"])
+    mid = (H100_SXM_PEAK + H100_NVL_PEAK) / 2
+    h100 = plan.cluster_preset("h100", memory_bytes=96e9, hbm_bw=2.4e12 * 0.8)
     for gpus, published in ((8, 5762), (128, 5605)):
-        r = plan.simulate(w, h100, plan.RunConfig(3, gpus, micro_batch=2, dtype="bf16", checkpointing=False))
-        row(f"torchtitan Llama-3.1-8B FSDP {gpus} H100 tokens/s/GPU (MFU {r.mfu:.1%})", r.tokens_per_s_per_gpu,
-            published, 0.2)
+        cfg = plan.RunConfig(3, gpus, micro_batch=2, dtype="bf16", checkpointing=False, recompute=recompute)
+        bounds = [plan.simulate(w, h100.with_(peak_flops=p), cfg).tokens_per_s_per_gpu for p in (H100_NVL_PEAK, H100_SXM_PEAK)]
+        r = plan.simulate(w, h100.with_(peak_flops=mid), cfg)
+        row(f"torchtitan Llama-3.1-8B FSDP {gpus} H100 tokens/s/GPU (SAC recomputes {recompute:.0%} of fwd; "
+            f"peak NVL..SXM: {bounds[0]:,.0f}..{bounds[1]:,.0f})", r.tokens_per_s_per_gpu, published, 0.2)
 
 
-def main() -> int:
+def gloo_ring(rows: list, world: int) -> tuple:
+    """(latency per hop, bus bandwidth) of the exchange's ring at ``world`` ranks: a least-squares
+    line through collectives.py's all-gather and reduce-scatter times (median ms of rank 0) against
+    the bytes each rank moves, ``(W-1)/W`` of the full tensor ([Note: ring costs])."""
+    pts = [((world - 1) / world * r["mb"] * 1e6, r[k] / 1e3) for r in rows if r["world"] == world
+           for k in ("all_gather exchange", "reduce_scatter exchange")]
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    slope = max(slope, 1e-12)
+    alpha = max(my - slope * mx, 0.0)
+    return alpha / (world - 1), 1.0 / slope
+
+
+def cpu_cluster(floor: dict, workload: plan.Workload, rows: list, world: int, cores: float) -> plan.Cluster:
+    """This machine as a plan.Cluster, from measured constants only: ``achieved`` from the
+    single-process forward+backward, ``hbm_bw`` from the flat AdamW step, the ring from gloo's
+    α–β, ``cores`` from the machine."""
+    lat, bw = gloo_ring(rows, world)
+    base = plan.cluster_preset("cpu", gpus_per_node=world, cores=cores, intra_bw=bw, intra_lat=lat, inter_bw=bw,
+                               inter_lat=lat, launch_s=0.0, half_tokens=1e-9)
+    k = memory.optimizer_state_bytes_per_param("adamw", "fp32")
+    hbm = floor["params"] * (2 * k + 4 + 4) / floor["adamw_s"]
+    probe = plan.simulate(workload, base.with_(hbm_bw=hbm), plan.RunConfig(
+        0, 1, micro_batch=floor["spec"]["batch_per_worker"], dtype="fp32", checkpointing=False, optimizer="adamw"))
+    achieved = base.achieved * probe.compute_s / floor["fwd_bwd_s"]
+    return base.with_(achieved=achieved, hbm_bw=hbm)
+
+
+def bench_workload(spec: dict) -> plan.Workload:
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import functools
+
+    import bench_models
+
+    fn = functools.partial(bench_models.build, spec["model"], spec["vocab_size"], spec["seq_len"], spec["d_model"],
+                           spec["n_layers"], spec["n_heads"])
+    return plan.from_module(fn, seq_len=spec["seq_len"], hidden=spec["d_model"], heads=spec["n_heads"])
+
+
+def quantile(xs: list, q: float) -> float:
+    """The ``q`` quantile of ``xs`` (linear between order statistics; 0.5 is the median)."""
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
+
+
+def at_quantile(rec: dict, q: float) -> dict:
+    """A measured row set with every figure taken at quantile ``q`` of its steps (the floor's too)."""
+    out = {name: dict(r, median_s=quantile(r["steps_s"], q)) for name, r in rec.items() if name != "floor"}
+    f = rec["floor"]
+    out["floor"] = dict(f, fwd_bwd_s=quantile(f["fwd_bwd_all_s"], q), adamw_s=quantile(f["adamw_all_s"], q))
+    return out
+
+
+def cpu(path: str, q: float = 0.5) -> bool:
+    """This machine: zr.Trainer steps of stages 0-3 at each world size measured against the replay on
+    a cluster built from measured constants (cpu_cluster), plus the fixed per-step cost of each stage
+    measured on a tiny model: its measured step less what the replay predicts for it."""
+    if not os.path.exists(path):
+        print(f"this machine (CPU, gloo): no measurement at {path}; run `PYTHONPATH=. python "
+              "benchmarks/plan_check.py --measure`")
+        return False
+    with open(path) as f:
+        m = json.load(f)
+    cores = float(m["machine"]["cpus"])
+    m["overhead"] = {k: at_quantile(rec, q) for k, rec in m["overhead"].items()}
+    m["steps"] = {k: at_quantile(rec, q) for k, rec in m["steps"].items()}
+    cfg = lambda stage, world, spec: plan.RunConfig(stage, world, micro_batch=spec["batch_per_worker"], dtype="fp32",
+                                                    checkpointing=False, optimizer="adamw")
+    overhead = {}
+    for world, rec in m["overhead"].items():
+        spec = rec["floor"]["spec"]
+        w = bench_workload(spec)
+        cl = cpu_cluster(rec["floor"], w, m["gloo"], int(world), cores)
+        for name, r in rec.items():
+            if name != "floor":
+                overhead[(int(world), r["stage"])] = r["median_s"] - plan.simulate(w, cl, cfg(r["stage"], int(world), spec)).step_s
+    spreads = []
+    for key, rec in m["steps"].items():
+        model, world = key.split("/")
+        world = int(world)
+        spec = rec["floor"]["spec"]
+        w = bench_workload(spec)
+        cl = cpu_cluster(rec["floor"], w, m["gloo"], world, cores)
+        for name, r in sorted((n, r) for n, r in rec.items() if n != "floor"):
+            stage = r["stage"]
+            pred = plan.simulate(w, cl.with_(step_overhead_s=overhead[(world, stage)]), cfg(stage, world, spec))
+            rounds = r["round_medians_s"]
+            spread = (max(rounds) - min(rounds)) / statistics.median(rounds)
+            spreads.append(spread)
+            row(f"CPU {model} stage {stage}, {world} workers step s{'' if q == 0.5 else f' (q{q:g})'} (rounds spread {spread:.0%}; fixed "
+                f"{overhead[(world, stage)] * 1e3:.0f} ms)", pred.step_s, r["median_s"], 0.15, " s")
+    load = m["machine"]
+    print(f"CPU calibration ({path}): {cores:.0f} cores, load average {load['load_before'][0]:.1f} before and "
+          f"{load['load_after'][0]:.1f} after the measurement; per row, the spread of its round medians: "
+          f"median {statistics.median(spreads):.0%}, max {max(spreads):.0%}")
+    for world in sorted({int(k.split('/')[1]) for k in m["steps"]}):
+        lat, bw = gloo_ring(m["gloo"], world)
+        print(f"  gloo exchange, {world} ranks: {lat * 1e3:.2f} ms per hop, {bw / 1e9:.2f} GB/s")
+    for key, rec in m["steps"].items():
+        f = rec["floor"]
+        print(f"  {key}: floor forward+backward {f['fwd_bwd_s'] * 1e3:.0f} ms, AdamW {f['adamw_s'] * 1e3:.1f} ms "
+              f"({f['params'] / 1e6:.2f}M params)")
+    return True
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--measure", action="store_true",
+                   help="first measure this machine (benchmarks/plan_measure.py: real Trainer steps, gloo, the "
+                        "single-process floor) and write --measured; without it the CPU rows read that file")
+    p.add_argument("--measured", default=None, help="the JSON of the CPU measurement "
+                   "(default benchmarks/results/plan_cpu_measured.json)")
+    p.add_argument("--rounds", type=int, default=2, help="--measure: rounds, fresh trainers each (default 2)")
+    p.add_argument("--steps", type=int, default=6, help="--measure: timed steps per round (default 6)")
+    p.add_argument("--warmup", type=int, default=2, help="--measure: untimed steps before them (default 2)")
+    p.add_argument("--models", default="gpt,mha,hf-gpt2", help="--measure: models of compare.py")
+    p.add_argument("--quantile", type=float, default=0.5,
+                   help="CPU rows: compare this quantile of the measured steps, the floor's included (default 0.5, "
+                        "the median; on a loaded machine a low one is the least-disturbed estimate of both sides)")
+    p.add_argument("--workers", default="2,3", help="--measure: world sizes")
+    args = p.parse_args(argv)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import plan_measure
+
+    path = args.measured or plan_measure.OUT
+    if args.measure:
+        plan_measure.measure(models=tuple(args.models.split(",")), worlds=tuple(int(w) for w in args.workers.split(",")),
+                             rounds=args.rounds, steps=args.steps, warmup=args.warmup, out=path)
     paper()
     h200()
     torchtitan()
+    measured = cpu(path, args.quantile)
     cols = ("check", "predicted", "published/measured", "error", "bound", "")
     widths = [max(len(str(r[i])) for r in ROWS + [cols]) for i in range(len(cols))]
     for r in [cols] + ROWS:
         print("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-    print("this machine (CPU, gloo): stages 0-3 at 2 and 3 workers on gpt, mha, hf-gpt2: NOT MEASURED (missing)")
+    if not measured:
+        print("this machine (CPU, gloo): stages 0-3 at 2 and 3 workers on gpt, mha, hf-gpt2: NOT MEASURED (missing)")
     out = sum(1 for r in ROWS if r[-1] != "ok")
     print(f"{len(ROWS) - out} of {len(ROWS)} within their bounds")
     return 0

@@ -2,12 +2,19 @@
 the gathered window, the gradient buckets, the logits, and a fragmentation slack.
 
 [Note: peak memory]
-- model states: ``model_state_bytes`` of the parameters this GPU's tensor-parallel slice holds;
+- model states: ``model_state_bytes`` of the parameters this GPU's tensor-parallel slice holds,
+  as the engine holds them (memory/report.py's ``expected_model_state``, [Note: stage data flow]
+  in engine/storage.py): the reduced gradient is fp32 (4 bytes per element, the paper's is 2),
+  full at stage 0 and a shard at stages 1-3 (stage 1 reduce-scatters out of the buckets as stage
+  2 does); with gradient accumulation, stages 0-1 also hold autograd's full local gradient in
+  the compute dtype between micro-batches;
 - activations: ``activation_bytes`` of the blocks for one micro-batch (checkpointing: one
   checkpoint per block plus one block's working set), divided by ``tp`` (Megatron splits them);
 - stage 3: the prefetch window plus the two units in use; stages 0-2: two gradient buckets
   (one filling, one in flight); stage 1: the gradient is full-size until it is reduced;
 - logits: the micro-batch's ``tokens · vocab`` in the compute dtype and fp32 for the loss;
+- ``allocated``: the sum of the above, what the allocator hands out at the peak (what
+  ``torch.cuda.max_memory_allocated`` reports);
 - slack: 10% of the above (allocator fragmentation) plus 1 GB (CUDA context, workspaces).
 """
 from __future__ import annotations
@@ -24,7 +31,13 @@ CONTEXT_BYTES = 1e9
 def peak_memory(w: Workload, cfg: Any, window: int, bucket_bytes: int) -> Dict[str, float]:
     """[Note: peak memory] for ``cfg`` (a replay.RunConfig) with this window and bucket size."""
     elem = DTYPE_BYTES[cfg.dtype]
-    states = model_state_bytes(-(-w.params // cfg.tp), cfg.dp, cfg.stage, cfg.dtype, cfg.optimizer).total
+    params = -(-w.params // cfg.tp)
+    held = model_state_bytes(params, cfg.dp, cfg.stage, cfg.dtype, cfg.optimizer, grad_dtype="fp32")
+    grads = model_state_bytes(params, cfg.dp, 2, cfg.dtype, cfg.optimizer, grad_dtype="fp32").grads \
+        if cfg.stage == 1 else held.grads
+    if cfg.accum > 1 and cfg.stage <= 1:
+        grads += params * elem
+    states = held.params + grads + held.optimizer
     blocks = sum(1 for u in w.units if u.attention)
     act = 0
     if blocks and w.hidden > 1:
@@ -38,4 +51,4 @@ def peak_memory(w: Workload, cfg: Any, window: int, bucket_bytes: int) -> Dict[s
     subtotal = states + act + buffers + logits
     slack = FRAGMENTATION * subtotal + CONTEXT_BYTES
     return {"states": float(states), "activations": float(act), "buffers": float(buffers), "logits": float(logits),
-            "slack": float(slack), "total": float(subtotal + slack)}
+            "allocated": float(subtotal), "slack": float(slack), "total": float(subtotal + slack)}

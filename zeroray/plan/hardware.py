@@ -14,6 +14,14 @@ collective on the H200, docs in shared/evidence), ``hbm_bw`` bounds the optimize
 The H200's ``achieved`` is calibrated from one plain single-GPU step of the evidence (808M bf16,
 8 x 1024 tokens, 87,715 tokens/s); the H100 shares its SMs; the V100's comes from Megatron-LM's
 published single-GPU 39 TFLOP/s (30% of 125) at a large batch.
+
+CPU workers (``cores`` > 0) share the node's cores: with one thread each, ``W`` workers on ``C < W``
+cores each get ``C / W`` of a core for everything they compute, copy or launch (``core_share``);
+with ``W >= C`` no core is left for communication, and a collective's time, gloo's α–β measured
+at that world size on the same cores, adds to the step instead of overlapping it (``saturated``).
+The ``cpu`` preset's figures are placeholders of this class of machine: benchmarks/plan_check.py
+builds this machine's from what benchmarks/plan_measure.py measured (the single-process step, the
+flat AdamW step, gloo's α–β and a tiny model's step for ``step_overhead_s``).
 """
 from __future__ import annotations
 
@@ -38,6 +46,8 @@ class Cluster:
     launch_s: float              # host seconds per collective launch
     hbm_bw: float                # bytes/s of the memory the optimizer step streams
     fp32_ratio: float = 0.5      # fp32 matmul speed relative to the 16-bit peak (TF32 on Ampere+)
+    cores: float = 0.0           # CPU cores a node's workers share (CPU workers); 0: a device per worker
+    step_overhead_s: float = 0.0  # host seconds per step outside the replay (runtime call, status), measured
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node",):
@@ -50,6 +60,18 @@ class Cluster:
     def efficiency(self, tokens: float) -> float:
         """Fraction of peak reached by a micro-batch of ``tokens`` tokens; see [Note: hardware presets]."""
         return self.achieved * tokens / (tokens + self.half_tokens)
+
+    def core_share(self, workers_on_node: int) -> float:
+        """How many workers share one core: ``workers / cores`` when they outnumber the node's
+        cores (CPU workers, one thread each), else 1; see [Note: hardware presets]."""
+        if self.cores <= 0:
+            return 1.0
+        return max(1.0, workers_on_node / self.cores)
+
+    def saturated(self, workers_on_node: int) -> bool:
+        """CPU workers that keep every core of the node busy: nothing is left to run a collective's
+        copies beside the compute (gloo over loopback TCP is the cores' own work)."""
+        return self.cores > 0 and workers_on_node >= self.cores
 
     def with_(self, **changes: Any) -> "Cluster":
         return replace(self, **changes)
@@ -64,7 +86,8 @@ GPU_PRESETS: Dict[str, Cluster] = {
     "v100-32gb": Cluster("v100-32gb", 16, 32 * GB, 125e12, 0.32, 512, 120 * GB, 10e-6, 80 * GB, 30e-6, 30e-6,
                          0.9e12 * 0.8, fp32_ratio=0.125),
     # A CPU worker over gloo (numbers of this class of machine; calibrate with benchmarks/plan_check.py).
-    "cpu": Cluster("cpu", 1, 8 * GB, 50e9, 1.0, 1, 1 * GB, 50e-6, 1 * GB, 50e-6, 100e-6, 10 * GB, fp32_ratio=1.0),
+    "cpu": Cluster("cpu", 1, 8 * GB, 50e9, 1.0, 1, 1 * GB, 50e-6, 1 * GB, 50e-6, 100e-6, 10 * GB, fp32_ratio=1.0,
+                   cores=1.0),
 }
 
 

@@ -16,8 +16,22 @@ it needs. What each stage issues is the engine's:
   ``fixed_capacity``), each launched when its last unit's backward is done: an all-reduce at
   stage 0 and a reduce-scatter at stages 1-3; stages 0-1 reduce only on the last micro-batch
   (gradients accumulate whole), stages 2-3 on every micro-batch;
+- each gradient is copied into its bucket in the reduce dtype (``reduce_dtype``, fp32 by default,
+  as the engine's ``ZeroConfig.reduce_dtype``), a memory-bound copy on the compute stream;
 - the optimizer step waits for the comm stream and streams master weights, state, gradient and
-  parameter through ``hbm_bw`` (about 30 bytes per local element with Adam).
+  parameter through ``hbm_bw`` (about 30 bytes per local element with Adam);
+- ``step_overhead_s``: the host's fixed cost of a step outside the replay (the runtime's call into
+  the workers, the step's status all-reduce), measured per cluster.
+
+Workers that share CPU cores (``Cluster.cores``: the CPU preset) share them: compute, copies, the
+optimizer and launches of each run ``core_share`` times slower when a node has more workers than
+cores, and when they have every core busy (``saturated``) a collective does not overlap the
+compute: gloo over loopback TCP moves its bytes with the same cores' copies, so the compute
+stream waits for it ([Note: hardware presets]).
+
+Backward costs twice the forward plus the recomputed share of it (``recompute``: 1 with
+activation checkpointing, 0 without; a selective policy recomputes a part, e.g. torchtitan's
+every-second-matmul).
 
 Tensor parallelism (``tp``, Megatron inside a node, for the paper's ZeRO-100B runs) divides a
 block's FLOPs and parameters by ``tp`` and adds two activation all-reduces per block in forward,
@@ -47,18 +61,24 @@ class RunConfig:
     accum: int = 1
     dtype: str = "bf16"
     bucket_bytes: int = 16 * MiB  # the engine's default
-    prefetch_bytes: Optional[int] = None  # stage 3 window; None: two blocks
+    prefetch_bytes: Optional[int] = None  # stage 3 window; None: the engine's (largest unit, at least a bucket)
     checkpointing: bool = True
     tp: int = 1
     optimizer: str = "adam"
+    reduce_dtype: str = "fp32"    # the dtype gradients are bucketed and reduced in (the engine's default: fp32)
+    recompute: Optional[float] = None  # share of the forward recomputed in backward; None: 1 with checkpointing
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage={self.stage!r} is invalid: choose 0, 1, 2 or 3")
         if self.gpus < 1 or self.tp < 1 or self.gpus % self.tp:
             raise ValueError(f"gpus={self.gpus} and tp={self.tp} are invalid: gpus must be a positive multiple of tp")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype={self.dtype!r} is invalid: choose one of {tuple(DTYPE_BYTES)}")
+        for name in ("dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: choose one of {tuple(DTYPE_BYTES)}")
+        if self.recompute is not None and not 0.0 <= self.recompute <= 1.0:
+            raise ValueError(f"recompute={self.recompute!r} is invalid: it is the share of the forward recomputed in "
+                             "backward, between 0 and 1 (or None: 1 with checkpointing, 0 without)")
 
     @property
     def dp(self) -> int:
@@ -85,10 +105,11 @@ class StepReport:
 
 
 def window_bytes(w: Workload, cfg: RunConfig) -> int:
-    """The stage-3 prefetch window in bytes: ``prefetch_bytes`` or two blocks."""
+    """The stage-3 prefetch window in bytes: ``prefetch_bytes``, or the engine's default
+    (fetch/coordinator.py): the largest unit, never less than one coalescing bucket."""
     if cfg.prefetch_bytes is not None:
         return cfg.prefetch_bytes
-    return 2 * max(u.params for u in w.units) // cfg.tp * DTYPE_BYTES[cfg.dtype]
+    return max(max(u.params for u in w.units) // cfg.tp * DTYPE_BYTES[cfg.dtype], cfg.bucket_bytes)
 
 
 def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
@@ -96,8 +117,9 @@ def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
     elem = DTYPE_BYTES[cfg.dtype]
     tokens = cfg.micro_batch * w.seq_len
     peak = cluster.peak_flops * (1.0 if elem == 2 else cluster.fp32_ratio)
-    rate = peak * cluster.efficiency(tokens)
-    recompute = 1.0 if cfg.checkpointing else 0.0
+    share = cluster.core_share(min(cfg.gpus, cluster.gpus_per_node))
+    rate = peak * cluster.efficiency(tokens) / share
+    recompute = cfg.recompute if cfg.recompute is not None else (1.0 if cfg.checkpointing else 0.0)
     fwd = [w.unit_flops_per_token(u) / 3 * tokens / cfg.tp / rate for u in w.units]
     bwd = [2 * f + recompute * f for f in fwd]
     ring, tpr = dp_ring(cluster, cfg.dp, cfg.tp), tp_ring(cluster, cfg.tp)
@@ -105,21 +127,27 @@ def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
     blocks = [u.attention for u in w.units]
     unit_bytes = [max(1, u.params // cfg.tp) * elem for u in w.units]
     n = len(w.units)
-    launch = cluster.launch_s
-    state = {"t": 0.0, "c": 0.0, "host": 0.0, "count": 0}
+    launch = cluster.launch_s * share
+    saturated = cluster.saturated(min(cfg.gpus, cluster.gpus_per_node))
+    state = {"t": 0.0, "c": 0.0, "host": 0.0, "count": 0, "copy": 0.0}
 
     def issue(seconds: float) -> float:
         state["t"] += launch
         state["host"] += launch
         state["count"] += 1
         state["c"] = max(state["c"], state["t"]) + seconds
+        if saturated:  # the transfer's copies take the cores the compute would have used
+            state["t"] = state["c"]
         return state["c"]
 
     def run(seconds: float) -> None:
         state["t"] += seconds
 
-    # Gradient buckets: the engine's pack, in backward order, of its fixed capacity.
-    grad_elem = elem
+    # Gradient buckets: the engine's pack, in backward order, of its fixed capacity, in the reduce dtype.
+    grad_elem = DTYPE_BYTES[cfg.reduce_dtype]
+    # Each gradient is copied into its bucket when it is reduced: read in the compute dtype, written
+    # in the reduce dtype, on the compute stream.
+    copy_s = [u.params / cfg.tp * (elem + grad_elem) / cluster.hbm_bw * share for u in w.units]
     model_bytes = sum(unit_bytes) // elem * grad_elem
     capacity = max(1, bucket_plan.fixed_capacity(cfg.bucket_bytes, model_bytes) // grad_elem)
     order = list(range(n - 1, -1, -1))
@@ -132,7 +160,9 @@ def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
     def reduce_after(u: int, micro: int) -> None:
         last_micro = micro == cfg.accum - 1
         if cfg.stage <= 1 and not last_micro:
-            return
+            return  # autograd accumulates the full gradient; it reaches the buckets on the last micro-batch
+        run(copy_s[u])
+        state["copy"] += copy_s[u]
         for nbytes in last_unit_of.get(u, ()):
             issue(ring.all_reduce(nbytes) if cfg.stage == 0 else ring.reduce_scatter(nbytes))
 
@@ -169,24 +199,25 @@ def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
     state["t"] = max(state["t"], state["c"])
     local = w.params / cfg.tp / (1 if cfg.stage == 0 else cfg.dp)
     k = optimizer_state_bytes_per_param(cfg.optimizer, cfg.dtype)
-    opt_s = local * (2 * k + 4 + elem) / cluster.hbm_bw  # read+write master and state, read grad, write param
-    step = state["t"] + opt_s
+    opt_s = local * (2 * k + 4 + elem) / cluster.hbm_bw * share  # read+write master and state, read grad, write param
+    step = state["t"] + opt_s + cluster.step_overhead_s
     compute = cfg.accum * (sum(fwd) + sum(bwd))
     step_tokens = cfg.dp * cfg.accum * tokens
     tps = step_tokens / step
     mfu = w.flops_per_token * tps / (cluster.peak_flops * cfg.gpus)
-    exposed = max(0.0, state["t"] - compute - state["host"])
+    exposed = max(0.0, state["t"] - compute - state["host"] - state["copy"])
     mem = peak_memory(w, cfg, window_bytes(w, cfg), capacity * grad_elem)
     return StepReport(cfg.stage, step, compute, exposed, state["host"], opt_s, tps, tps / cfg.gpus, mfu, mem,
                       state["count"])
 
 
 def _coalesce(units: List[int], unit_bytes: List[int], bound: int) -> List[List[int]]:
-    """Consecutive units into gathers of at most ``bound`` bytes (a larger unit goes alone)."""
+    """Consecutive units into gathers of at most ``bound`` bytes, a unit of ``bound`` or more alone
+    (comm/gather.py's ``coalesce``)."""
     groups: List[List[int]] = []
     size = 0
     for u in units:
-        if groups and size + unit_bytes[u] <= bound:
+        if groups and size + unit_bytes[u] <= bound and unit_bytes[u] < bound:
             groups[-1].append(u)
             size += unit_bytes[u]
         else:
@@ -204,5 +235,5 @@ def _stage3_schedule(n: int, unit_bytes: List[int], cfg: RunConfig, window: int)
     events += [(EventKind.BACKWARD, u) for u in range(n - 1, -1, -1)]
     return Schedule.build(events, [(u,) for u in range(n)], unit_bytes,
                           lambda units: _coalesce(units, unit_bytes, cfg.bucket_bytes),
-                          prefetch=window > 0, prefetch_bytes=window, max_live_bytes=max(window, 1) + 2 * max(unit_bytes),
-                          reuse_distance=2)
+                          prefetch=window > 0, prefetch_bytes=window, max_live_bytes=sum(unit_bytes),
+                          reuse_distance=2)  # the engine's defaults: no bound of its own on live bytes

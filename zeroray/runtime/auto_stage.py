@@ -41,7 +41,8 @@ def cluster_found(scaling: ScalingConfig) -> plan.Cluster:
     memory = float(ray.available_resources().get("memory", 0.0))
     if memory <= 0:
         raise ValueError("stage='auto': Ray reports no free memory on the cluster; set ZeroConfig(stage=0..3)")
-    return plan.cluster_preset("cpu", memory_bytes=memory / workers, gpus_per_node=workers)
+    cores = float(ray.cluster_resources().get("CPU", workers))  # the workers share them ([Note: hardware presets])
+    return plan.cluster_preset("cpu", memory_bytes=memory / workers, gpus_per_node=workers, cores=cores)
 
 
 def resolve_stage(zero: ZeroConfig, model_fn: Callable[[], Any], scaling: ScalingConfig,

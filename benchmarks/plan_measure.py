@@ -1,0 +1,203 @@
+"""This machine's measurements behind benchmarks/plan_check.py's CPU rows (``plan_check.py --measure``).
+
+Three kinds, each written into one JSON (benchmarks/results/plan_cpu_measured.json by default):
+
+- ``floor`` (in each ``steps`` row): per model of compare.py (``gpt``, ``mha``, ``hf-gpt2``, its
+  default small sizes), one single-process step of one worker's batch in this process with one
+  thread: forward+backward, and the fused AdamW step over one flat fp32 tensor of the model's size
+  (the engine's flat optimizer), taken between the trainers' steps (``Floor``);
+- ``gloo``: collectives.py's timings of the engine's own calls (the point-to-point exchange's
+  all-gather and reduce-scatter, the stage-0 all-reduce) at each world size, over sizes that span
+  the buckets and units of these models; plan_check fits α–β to them;
+- ``steps``: real ``zr.Trainer`` steps, stages 0-3 at each world size and model, the four stages'
+  trainers built at once and stepped in turn with the floor (compare.py's ``open_runs``) so that drift on
+  a shared machine slows them alike; ``rounds`` times, each round with fresh trainers. Each row
+  keeps its per-round medians, so the JSON says how noisy the machine was. ``overhead`` rows
+  train a tiny model (d_model 32, one layer, 16 tokens) the same way: what a step costs with
+  almost no work, the Ray call and the engine's fixed per-step work.
+
+Nothing here predicts; plan_check.py compares. The measuring never runs two rows at once. The
+workers run at the floor's niceness (0, not Ray's default 15), so that load from other processes
+slows both alike.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Dict, List
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+if BENCH_DIR not in sys.path:
+    sys.path.insert(0, BENCH_DIR)
+
+from common import ROOT, BenchSpec, add_import_paths, build_model, global_batches  # noqa: E402
+
+MODELS = ("gpt", "mha", "hf-gpt2")
+GLOO_MB = (0.05, 0.5, 2.0, 8.0, 16.0)
+OUT = os.path.join(ROOT, "benchmarks", "results", "plan_cpu_measured.json")
+
+
+def spec_for(model: str, workers: int, steps: int, warmup: int) -> BenchSpec:
+    """compare.py's default small sizes (d_model 256, 4 layers, 4 heads, 8 x 128 tokens per worker)."""
+    return BenchSpec(model=model, num_workers=workers, timed_steps=steps, warmup_steps=warmup, threads=1)
+
+
+class Floor:
+    """One worker's batch on one thread, in this process (the driver): forward+backward of the model,
+    and the fused AdamW step over one flat fp32 tensor of its size, as the engine's flat optimizer
+    runs it. ``step`` times one of each; it is called between the trainers' steps, so that the
+    calibration sees the same background load as the rows it calibrates."""
+
+    def __init__(self, spec: BenchSpec) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.spec = spec
+        self.net = build_model(replace(spec, num_workers=1))
+        self.numel = sum(p.numel() for p in self.net.parameters())
+        self.flat = torch.nn.Parameter(torch.zeros(self.numel))
+        self.flat.grad = torch.randn(self.numel)
+        self.opt = torch.optim.AdamW([self.flat], lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
+        self.fwd_bwd: List[float] = []
+        self.adamw: List[float] = []
+
+    def step(self, batch) -> None:
+        import bench_models
+
+        share = tuple(t[:self.spec.batch_per_worker] for t in batch)
+        for p in self.net.parameters():
+            p.grad = None
+        t0 = time.perf_counter()
+        bench_models.lm_loss(self.net, share).backward()
+        t1 = time.perf_counter()
+        self.opt.step()
+        t2 = time.perf_counter()
+        self.fwd_bwd.append(t1 - t0)
+        self.adamw.append(t2 - t1)
+
+
+def calibrate_gloo(worlds: List[int], sizes_mb=GLOO_MB) -> List[Dict[str, Any]]:
+    """collectives.py's rows (ms, median of rank 0's timed calls) at each world size."""
+    import torch.multiprocessing as mp
+
+    import collectives
+    from zeroray.comm.group import free_port
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for world in worlds:
+        queue, port = ctx.Queue(), free_port()
+        procs = [ctx.Process(target=collectives._rank, args=(r, world, port, list(sizes_mb), queue))
+                 for r in range(world)]
+        for proc in procs:
+            proc.start()
+        rows += [queue.get(timeout=600) for _ in sizes_mb]
+        for proc in procs:
+            proc.join()
+    return rows
+
+
+def measure_steps(session, model: str, workers: int, steps: int, warmup: int, rounds: int,
+                  spec: BenchSpec = None) -> Dict[str, Any]:
+    """Stages 0-3 of one model at one world size, stepped in turn with the single-process floor
+    (one step of each, then the next), ``rounds`` times with fresh trainers."""
+    spec = spec or spec_for(model, workers, steps, warmup)
+    rows = {f"zr{s}": (s, None) for s in range(4)}
+    per_round: Dict[str, List[float]] = {name: [] for name in rows}
+    all_steps: Dict[str, List[float]] = {name: [] for name in rows}
+    comm: Dict[str, Any] = {}
+    floor = Floor(spec)
+    floor_rounds: List[Dict[str, float]] = []
+    for _ in range(rounds):
+        runs = session.open_runs(rows, spec, prefetch=True)
+        mark = len(floor.fwd_bwd)
+        try:
+            for i, batch in enumerate(global_batches(spec)):
+                for run in runs.values():
+                    run.step(batch)
+                floor.step(batch)
+            records = {name: run.record() for name, run in runs.items()}
+        finally:
+            for run in runs.values():
+                run.close()
+        for name, rec in records.items():
+            timed = rec["step_s"][spec.warmup_steps:]
+            per_round[name].append(statistics.median(timed))
+            all_steps[name] += timed
+            comm[name] = rec.get("comm")
+        floor_rounds.append({k: statistics.median(getattr(floor, k)[mark + spec.warmup_steps:])
+                             for k in ("fwd_bwd", "adamw")})
+    timed = [i for r in range(rounds) for i in range(r * spec.total_steps + spec.warmup_steps, (r + 1) * spec.total_steps)]
+    out: Dict[str, Any] = {name: {"stage": rows[name][0], "median_s": statistics.median(all_steps[name]),
+                                  "round_medians_s": per_round[name], "steps_s": all_steps[name], "comm": comm[name]}
+                           for name in rows}
+    out["floor"] = {"params": floor.numel, "tokens": spec.batch_per_worker * spec.seq_len,
+                    "fwd_bwd_s": statistics.median(floor.fwd_bwd[i] for i in timed),
+                    "adamw_s": statistics.median(floor.adamw[i] for i in timed),
+                    "fwd_bwd_all_s": [floor.fwd_bwd[i] for i in timed], "adamw_all_s": [floor.adamw[i] for i in timed],
+                    "round_medians": floor_rounds, "spec": spec.as_dict()}
+    return out
+
+
+def measure(models=MODELS, worlds=(2, 3), rounds: int = 2, steps: int = 8, warmup: int = 3,
+            out: str = OUT) -> Dict[str, Any]:
+    add_import_paths()
+    t0 = time.time()
+    result: Dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                          "load_before": os.getloadavg()},
+                              "settings": {"rounds": rounds, "steps": steps, "warmup": warmup,
+                                           "spec": spec_for(models[0], worlds[0], steps, warmup).as_dict()}}
+    print("gloo: collectives.py at world sizes", list(worlds), "...", flush=True)
+    result["gloo"] = calibrate_gloo(list(worlds))
+    from zr_run import ZeroraySession
+
+    # Ray starts its workers at niceness 15: on a machine other work shares, they would then wait
+    # behind every ordinary process while the floor (this process, niceness 0) does not, and the
+    # rows would measure the neighbours. The Ray this session starts runs them at 0, like the floor.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    import logging
+
+    import ray
+
+    session = ZeroraySession()  # first: it sets the PYTHONPATH the workers need
+    started = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+    if started:  # room for the four stages' workers at once (zeroray's own local Ray has max(cores, 8) CPUs)
+        ray.init(num_cpus=max(16, 4 * max(worlds)), include_dashboard=False, logging_level=logging.WARNING)
+    result["steps"], result["overhead"] = {}, {}
+
+    def write() -> None:  # after every row set, so that an interrupted run keeps what it measured
+        result["machine"]["load_after"] = os.getloadavg()
+        result["wall_s"] = time.time() - t0
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    try:
+        for workers in worlds:
+            tiny = replace(spec_for("gpt", workers, steps, warmup), d_model=32, n_layers=1, n_heads=1, seq_len=16,
+                           batch_per_worker=1)
+            rec = measure_steps(session, "gpt", workers, steps, warmup, rounds, spec=tiny)
+            result["overhead"][str(workers)] = rec
+            print(f"  overhead, {workers} workers (tiny model): " +
+                  ", ".join(f"{n} {r['median_s'] * 1e3:.1f} ms" for n, r in rec.items() if n != "floor"), flush=True)
+            for m in models:
+                rec = measure_steps(session, m, workers, steps, warmup, rounds)
+                result["steps"][f"{m}/{workers}"] = rec
+                print(f"  {m}, {workers} workers: " + ", ".join(
+                    f"{n} {r['median_s'] * 1e3:.0f} ms (rounds {'/'.join(f'{x * 1e3:.0f}' for x in r['round_medians_s'])})"
+                    for n, r in rec.items() if n != "floor") +
+                    f"; floor fwd+bwd {rec['floor']['fwd_bwd_s'] * 1e3:.0f} ms, AdamW {rec['floor']['adamw_s'] * 1e3:.1f} ms",
+                    flush=True)
+                write()
+    finally:
+        session.close()
+        if started and ray.is_initialized():
+            ray.shutdown()
+    write()
+    print(f"wrote {out} ({result['wall_s']:.0f} s)", flush=True)
+    return result
