@@ -152,7 +152,8 @@ def gloo_ring(rows: list, world: int) -> tuple:
 
 def cpu_cluster(floor: dict, workload: plan.Workload, rows: list, world: int, cores: float) -> plan.Cluster:
     """This machine as a plan.Cluster, from measured constants only: ``achieved`` from the
-    single-process forward+backward, ``hbm_bw`` from the flat AdamW step, the ring from gloo's
+    single-process forward+backward, ``hbm_bw`` from the flat AdamW step (both taken with every
+    core busy where the measurement has it: plan_measure's ``contended``), the ring from gloo's
     α–β, ``cores`` from the machine."""
     lat, bw = gloo_ring(rows, world)
     base = plan.cluster_preset("cpu", gpus_per_node=world, cores=cores, intra_bw=bw, intra_lat=lat, inter_bw=bw,
@@ -205,6 +206,14 @@ def cpu(path: str, q: float = 0.5) -> bool:
     cores = float(m["machine"]["cpus"])
     m["overhead"] = {k: at_quantile(rec, q) for k, rec in m["overhead"].items()}
     m["steps"] = {k: at_quantile(rec, q) for k, rec in m["steps"].items()}
+    # Workers filling every core compute at the cores' shared speed, not one process's alone: the
+    # replay is calibrated from the floor measured with every core busy, where there is one.
+    contended = m.get("contended", {})
+    for key, rec in m["steps"].items():
+        c = contended.get(key.split("/")[0])
+        if c:
+            rec["floor"] = dict(rec["floor"], lone_fwd_bwd_s=rec["floor"]["fwd_bwd_s"],
+                                fwd_bwd_s=quantile(c["fwd_bwd_all_s"], q), adamw_s=quantile(c["adamw_all_s"], q))
     cfg = lambda stage, world, spec: plan.RunConfig(stage, world, micro_batch=spec["batch_per_worker"], dtype="fp32",
                                                     checkpointing=False, optimizer="adamw")
     overhead = {}
@@ -239,7 +248,8 @@ def cpu(path: str, q: float = 0.5) -> bool:
         print(f"  gloo exchange, {world} ranks: {lat * 1e3:.2f} ms per hop, {bw / 1e9:.2f} GB/s")
     for key, rec in m["steps"].items():
         f = rec["floor"]
-        print(f"  {key}: floor forward+backward {f['fwd_bwd_s'] * 1e3:.0f} ms, AdamW {f['adamw_s'] * 1e3:.1f} ms "
+        lone = f" (alone {f['lone_fwd_bwd_s'] * 1e3:.0f} ms)" if "lone_fwd_bwd_s" in f else ""
+        print(f"  {key}: floor forward+backward {f['fwd_bwd_s'] * 1e3:.0f} ms{lone}, AdamW {f['adamw_s'] * 1e3:.1f} ms "
               f"({f['params'] / 1e6:.2f}M params)")
     return True
 
@@ -251,6 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--measure", action="store_true",
                    help="first measure this machine (benchmarks/plan_measure.py: real Trainer steps, gloo, the "
                         "single-process floor) and write --measured; without it the CPU rows read that file")
+    p.add_argument("--measure-contention", action="store_true",
+                   help="measure only the floor with every core busy and add it to --measured (the rest kept)")
     p.add_argument("--measured", default=None, help="the JSON of the CPU measurement "
                    "(default benchmarks/results/plan_cpu_measured.json)")
     p.add_argument("--rounds", type=int, default=2, help="--measure: rounds, fresh trainers each (default 2)")
@@ -266,6 +278,12 @@ def main(argv=None) -> int:
     import plan_measure
 
     path = args.measured or plan_measure.OUT
+    if args.measure_contention and not args.measure:
+        with open(path) as f:
+            kept = json.load(f)
+        kept["contended"] = plan_measure.measure_contention(tuple(args.models.split(",")))
+        with open(path, "w") as f:
+            json.dump(kept, f, indent=1)
     if args.measure:
         plan_measure.measure(models=tuple(args.models.split(",")), worlds=tuple(int(w) for w in args.workers.split(",")),
                              rounds=args.rounds, steps=args.steps, warmup=args.warmup, out=path)

@@ -6,6 +6,11 @@ Three kinds, each written into one JSON (benchmarks/results/plan_cpu_measured.js
   default small sizes), one single-process step of one worker's batch in this process with one
   thread: forward+backward, and the fused AdamW step over one flat fp32 tensor of the model's size
   (the engine's flat optimizer), taken between the trainers' steps (``Floor``);
+- ``contended`` (per model): the same floor step taken in as many processes as the machine has
+  cores at once, each on its own core, started together at every step (``contended_floor``).
+  Workers that fill every core compute slower than one process alone (they share the caches and
+  the memory bandwidth): on this machine DDP's two ranks step at 1.17-1.24x the lone floor. The
+  replay's compute is calibrated from this one, the cores' speed when all of them work;
 - ``gloo``: collectives.py's timings of the engine's own calls (the point-to-point exchange's
   all-gather and reduce-scatter, the stage-0 all-reduce) at each world size, over sizes that span
   the buckets and units of these models; plan_check fits α–β to them;
@@ -81,6 +86,45 @@ class Floor:
         self.adamw.append(t2 - t1)
 
 
+def _contended_rank(spec: BenchSpec, barrier, out) -> None:
+    add_import_paths()
+    floor = Floor(spec)
+    for batch in global_batches(spec):
+        barrier.wait()  # every copy starts its step together, as a step's workers do
+        floor.step(batch)
+    out.put({"fwd_bwd": floor.fwd_bwd[spec.warmup_steps:], "adamw": floor.adamw[spec.warmup_steps:]})
+
+
+def contended_floor(spec: BenchSpec, copies: int) -> Dict[str, Any]:
+    """``Floor``'s step in ``copies`` processes at once (one per core): the medians over every copy's
+    timed steps."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(copies), ctx.Queue()
+    procs = [ctx.Process(target=_contended_rank, args=(spec, barrier, out)) for _ in range(copies)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    fwd_bwd = [x for r in results for x in r["fwd_bwd"]]
+    adamw = [x for r in results for x in r["adamw"]]
+    return {"copies": copies, "fwd_bwd_s": statistics.median(fwd_bwd), "adamw_s": statistics.median(adamw),
+            "fwd_bwd_all_s": fwd_bwd, "adamw_all_s": adamw, "load": os.getloadavg(), "at": time.time()}
+
+
+def measure_contention(models=MODELS, steps: int = 8, warmup: int = 3) -> Dict[str, Any]:
+    """``contended_floor`` for each model at compare.py's default sizes, one copy per core."""
+    add_import_paths()
+    out = {}
+    for m in models:
+        out[m] = contended_floor(spec_for(m, 1, steps, warmup), os.cpu_count() or 1)
+        print(f"  {m}: floor forward+backward with every core busy {out[m]['fwd_bwd_s'] * 1e3:.0f} ms, "
+              f"AdamW {out[m]['adamw_s'] * 1e3:.1f} ms ({out[m]['copies']} copies)", flush=True)
+    return out
+
+
 def calibrate_gloo(worlds: List[int], sizes_mb=GLOO_MB) -> List[Dict[str, Any]]:
     """collectives.py's rows (ms, median of rank 0's timed calls) at each world size."""
     import torch.multiprocessing as mp
@@ -154,6 +198,8 @@ def measure(models=MODELS, worlds=(2, 3), rounds: int = 2, steps: int = 8, warmu
                                            "spec": spec_for(models[0], worlds[0], steps, warmup).as_dict()}}
     print("gloo: collectives.py at world sizes", list(worlds), "...", flush=True)
     result["gloo"] = calibrate_gloo(list(worlds))
+    print("the floor with every core busy ...", flush=True)
+    result["contended"] = measure_contention(models, steps, warmup)
     from zr_run import ZeroraySession
 
     # Ray starts its workers at niceness 15: on a machine other work shares, they would then wait
