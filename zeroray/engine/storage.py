@@ -194,8 +194,8 @@ def build_storage(policy: StagePolicy, layout: FlatLayout, named: Dict[str, torc
     if policy.reshard_after_use or (policy.keeps_param_shard and not fp32):
         init = initial_shard(layout, named, kept, rank, device)
     # Stage 3 on CPU: unit buffers off the heap ([Note: process memory] in memory/process.py).
-    blocks = MappedBlocks() if policy.reshard_after_use and torch.device(device).type == "cpu" else None
-    units = Units(layout, dtype, device, persistent=not policy.reshard_after_use, blocks=blocks)
+    mapped = MappedBlocks().mapped if policy.reshard_after_use and torch.device(device).type == "cpu" else None
+    units = Units(layout, dtype, device, persistent=not policy.reshard_after_use, mapped=mapped)
     units.bind(named, copy_values=kept is None)
     if not policy.keeps_param_shard:
         return ReplicatedStorage(layout, units, rank)

@@ -21,13 +21,13 @@ needs no re-binding. This is the technique of FSDP's ``_free_storage``/``_alloc_
 """
 from __future__ import annotations
 
+import contextlib
 import enum
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 
 from zeroray.layout.arena import FlatLayout, Unit
-from zeroray.memory.process import MappedBlocks
 
 
 class UnitState(enum.Enum):
@@ -81,11 +81,11 @@ class Units:
     """Every unit of the layout, and the binding of the model's parameters to their buffers."""
 
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, persistent: bool,
-                 blocks: Optional[MappedBlocks] = None) -> None:
-        """``blocks``: where a stage-3 buffer is allocated (``MappedBlocks`` on CPU: mapped off the
-        heap, in huge pages where it can; [Note: process memory] in memory/process.py)."""
+                 mapped: Optional[Callable[[], ContextManager]] = None) -> None:
+        """``mapped``: the context a stage-3 buffer is allocated in (``MappedBlocks.mapped`` on
+        CPU: [Note: process memory] in memory/process.py)."""
         self.layout, self.dtype, self.device, self.persistent = layout, dtype, device, persistent
-        self._blocks = blocks
+        self._mapped = mapped or contextlib.nullcontext
         self.arena: Optional[torch.Tensor] = None  # 1D, full_numel (persistent units)
         self.units: List[FlatUnit] = []
         if persistent:
@@ -150,12 +150,8 @@ class Units:
     # --- stage 3: buffers that come and go ------------------------------------------------
 
     def alloc(self, index: int) -> torch.Tensor:
-        if self._blocks is None:
+        with self._mapped():
             full = self.units[index].alloc()
-        else:
-            with self._blocks.mapped():
-                full = self.units[index].alloc()
-            self._blocks.huge_pages(full)
         self._ptr_to_unit[full.untyped_storage().data_ptr()] = index
         return full
 

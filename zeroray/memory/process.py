@@ -85,8 +85,6 @@ MMAP_THRESHOLD = 1 << 20  # bytes: smaller blocks (Python objects, small tensors
 HEAP_THRESHOLD = 8 << 20
 MAPPED_THRESHOLD = 128 << 10  # glibc's initial threshold: a unit's buffer smaller than this stays in the heap
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
-_MADV_HUGEPAGE = 14  # madvise's advice number (linux/mman.h)
 
 
 def _libc():
@@ -129,20 +127,6 @@ class MappedBlocks:
             yield
         finally:
             self._mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD)
-
-    def huge_pages(self, tensor) -> bool:
-        """Ask the kernel to back ``tensor``'s whole 2 MiB-aligned pages with transparent huge pages
-        (THP's ``madvise`` mode). Call it on a buffer just mapped by ``mapped()`` and not yet
-        written: a unit's buffer is mapped afresh at every gather, and faulting it in 4 KiB at a
-        time, hundreds of faults per MiB, made the largest units' gathers slower than their
-        copies. The pages still go back to the OS when the unit is freed. False where nothing
-        was advised (no glibc, no THP, or no whole huge page inside the buffer)."""
-        madvise = getattr(_libc(), "madvise", None) if self._mallopt is not None else None
-        start, nbytes = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
-        first, end = -(-start // HUGE_PAGE) * HUGE_PAGE, (start + nbytes) // HUGE_PAGE * HUGE_PAGE
-        if madvise is None or end <= first:
-            return False
-        return madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_HUGEPAGE) == 0
 
 
 def trim_heap() -> None:
