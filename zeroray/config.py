@@ -88,8 +88,9 @@ class ZeroConfig:
         memory. Any worker, any stage. "cpu" (the GPU workers' host-memory tier) is not built yet:
         it is refused.
     offload_dir: with offload="disk", the directory each worker makes its scratch folder in
-        (removed when the worker's engine closes); None: the system's temporary directory. The
-        files are scratch: checkpoints hold the optimizer state as without offload.
+        (unlinked as soon as its files are open, so nothing is left behind however the worker
+        ends; their space is freed when the engine closes); None: the system's temporary
+        directory. The files are scratch: checkpoints hold the optimizer state as without offload.
     offload_chunk_bytes: with offload="disk", the state bytes of one chunk, summed over the state
         tensors (Adam: 8 bytes per element); memory holds three chunks (one stepping, one being
         read, one being written): 48 MiB by default. Larger chunks cost memory; smaller ones more

@@ -161,7 +161,7 @@ class ShardedOptimizer:
         # the per-element state's home between steps when offloaded; None: inner.state (memory)
         self.disk: Optional[DiskStepper] = None
         if offload is not None:
-            self.disk, _ = make_stepper(self.builder, [dict(seg.overrides) for seg in segments], offload.folder,
+            self.disk = make_stepper(self.builder, [dict(seg.overrides) for seg in segments], offload.folder,
                                         offload.rank, master.numel(), offload.chunk_bytes)
 
     @property

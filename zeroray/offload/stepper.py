@@ -309,11 +309,10 @@ def chunk_elements(chunk_bytes: int, keys: Sequence[str]) -> int:
 
 
 def make_stepper(builder: Callable[[List[dict]], torch.optim.Optimizer], overrides: Sequence[Dict[str, Any]],
-                 folder: Optional[str], rank: int, numel: int, chunk_bytes: int) -> Tuple[Optional[DiskStepper], List[str]]:
-    """The disk stepper for an optimizer ``builder`` over param groups with ``overrides``, and its
-    keys; no stepper when the optimizer keeps no per-element state (plain SGD): nothing to move."""
+                 folder: Optional[str], rank: int, numel: int, chunk_bytes: int) -> Optional[DiskStepper]:
+    """The disk stepper for an optimizer ``builder`` over param groups with ``overrides``; None when
+    the optimizer keeps no per-element state (plain SGD): nothing to move."""
     keys = element_keys(builder, overrides)
     if not keys:
-        return None, keys
-    files = StateFiles(folder, rank, numel, keys)
-    return DiskStepper(files, chunk_elements(chunk_bytes, keys)), keys
+        return None
+    return DiskStepper(StateFiles(folder, rank, numel, keys), chunk_elements(chunk_bytes, keys))

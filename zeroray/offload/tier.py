@@ -58,8 +58,9 @@ def offload_error(folder: str, what: str, error: OSError) -> OffloadError:
 
 
 class StateFiles:
-    """This rank's state files: ``keys`` each of ``numel`` fp32 elements, in a scratch folder of
-    its own under ``parent`` (None: the system's temporary directory), removed by ``close``."""
+    """This rank's state files: ``keys`` each of ``numel`` fp32 elements, made in a scratch folder
+    of its own under ``parent`` (None: the system's temporary directory) and unlinked with it once
+    open; ``close`` (or the process's end) frees their space."""
 
     def __init__(self, parent: Optional[str], rank: int, numel: int, keys: Sequence[str],
                  threads: int = 2) -> None:

@@ -128,7 +128,6 @@ def buddies(node_ids: List[str]) -> List[Optional[int]]:
             for r in range(n)]
 
 
-
 class SnapshotKeeper:
     """The complete snapshot of a fit, if any; see [Note: in-memory snapshots]."""
 

@@ -56,6 +56,7 @@ from zeroray.runtime.failures import (CollectiveTimeoutError, ErrorKind, Placeme
                                       WorkerGroupError, classify_error, first_line, setup_error, worker_error)
 from zeroray.runtime.messages import SetupInfo, WorkerSpec
 from zeroray.runtime.sequencer import Ticket
+from zeroray.runtime.snapshot import buddies
 from zeroray.runtime.worker import CONCURRENCY_GROUPS, ENGINE_THREADS, Worker
 
 log = logging.getLogger("zeroray")
@@ -108,6 +109,7 @@ class WorkerGroup:
         self.bundles: List[Optional[int]] = list(range(num_workers))  # per rank: its bundle (None: outside)
         self.spares: List[Any] = []  # warm actors, each (actor, bundle index, its warm call)
         self._scaling, self._threads = scaling, scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
+        self._actor_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)  # once: every actor, spares too
         self.collective_timeout_s = spec.zero.collective_timeout_s
         self._next_seq = [0] * num_workers  # per worker: the number of its next engine call
         self._numbering = threading.Lock()  # driver threads (a fit, a report) may call at once
@@ -155,7 +157,7 @@ class WorkerGroup:
         scaling = self._scaling
         strategy = "DEFAULT" if bundle_index is None else PlacementGroupSchedulingStrategy(
             placement_group=self.pg, placement_group_bundle_index=bundle_index)
-        return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker).options(
+        return self._actor_cls.options(
             num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
             scheduling_strategy=strategy, max_concurrency=ENGINE_THREADS, max_restarts=0,
             name=None).remote(rank, self.num_workers, self._threads, scaling.use_gpu)
@@ -176,8 +178,6 @@ class WorkerGroup:
         """Have a buddy on another node copy each rank's snapshot shard ([Note: buddy copies] in
         snapshot.py): rank r's buddy is the next rank after r on another node; none on one node.
         Not waited for. Returns how many copies were asked for."""
-        from zeroray.runtime.snapshot import buddies
-
         asked = 0
         for rank, buddy in enumerate(buddies([node["node_id"] for node in self.nodes])):
             if buddy is not None and shard_refs[rank] is not None:
