@@ -138,6 +138,21 @@ def model_state_bytes(num_params: Union[int, float], num_workers: int, stage: in
     )
 
 
+def held_state_bytes(num_params: Union[int, float], num_workers: int, stage: int, dtype: str = "fp16",
+                     optimizer: OptimizerLike = "adam", padded_numel: Optional[int] = None) -> ModelStateBytes:
+    """The model states zeroray's engine holds, where it departs from the paper's formula
+    ([Note: stage data flow] in engine/storage.py): the reduced gradient is fp32 in every dtype
+    (the fp32 master's gradient; the paper keeps a 16-bit one), and stage 1 reduce-scatters out
+    of the buckets as stage 2 does, so it holds the gradient shard, not the full gradient. The
+    memory report and the planner's footprint both count this."""
+    def states(s: int) -> ModelStateBytes:
+        return model_state_bytes(num_params, num_workers, s, dtype, optimizer, grad_dtype="fp32",
+                                 padded_numel=padded_numel)
+
+    held = states(stage)
+    return ModelStateBytes(held.params, states(2).grads if stage == 1 else held.grads, held.optimizer)
+
+
 def estimate_memory(num_params: Union[int, float], num_workers: int, stage: int,
                     dtype: str = "fp16", optimizer: OptimizerLike = "adam",
                     grad_dtype: Optional[str] = None, snapshot: bool = False) -> int:

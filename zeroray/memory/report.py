@@ -157,14 +157,8 @@ def expected_model_state(engine) -> Dict[str, int]:
     padded = layout.full_numel
     optimizer = _optimizer_for_estimate(engine)
 
-    def states(stage: int) -> memory.ModelStateBytes:
-        return memory.model_state_bytes(padded, W, stage, zero.dtype, optimizer, grad_dtype="fp32",
-                                        padded_numel=padded)
-
-    base = states(zero.stage)
-    grads = states(2).grads if zero.stage == 1 else base.grads
-    return {"params": base.params, "grads": grads, "optimizer": base.optimizer,
-            "total": base.params + grads + base.optimizer}
+    held = memory.held_state_bytes(padded, W, zero.stage, zero.dtype, optimizer, padded_numel=padded)
+    return {"params": held.params, "grads": held.grads, "optimizer": held.optimizer, "total": held.total}
 
 
 def live_tensor_bytes(floating_only: bool = True) -> int:

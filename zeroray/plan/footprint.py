@@ -3,7 +3,7 @@ the gathered window, the gradient buckets, the logits, and a fragmentation slack
 
 [Note: peak memory]
 - model states: ``model_state_bytes`` of the parameters this GPU's tensor-parallel slice holds,
-  as the engine holds them (memory/report.py's ``expected_model_state``, [Note: stage data flow]
+  as the engine holds them (memory/model.py's ``held_state_bytes``, [Note: stage data flow]
   in engine/storage.py): the reduced gradient is fp32 (4 bytes per element, the paper's is 2),
   full at stage 0 and a shard at stages 1-3 (stage 1 reduce-scatters out of the buckets as stage
   2 does); with gradient accumulation, stages 0-1 also hold autograd's full local gradient in
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from zeroray.memory.model import DTYPE_BYTES, activation_bytes, model_state_bytes
+from zeroray.memory.model import DTYPE_BYTES, activation_bytes, held_state_bytes
 from zeroray.plan.workload import Workload
 
 FRAGMENTATION = 0.10
@@ -32,9 +32,8 @@ def peak_memory(w: Workload, cfg: Any, window: int, bucket_bytes: int) -> Dict[s
     """[Note: peak memory] for ``cfg`` (a replay.RunConfig) with this window and bucket size."""
     elem = DTYPE_BYTES[cfg.dtype]
     params = -(-w.params // cfg.tp)
-    held = model_state_bytes(params, cfg.dp, cfg.stage, cfg.dtype, cfg.optimizer, grad_dtype="fp32")
-    grads = model_state_bytes(params, cfg.dp, 2, cfg.dtype, cfg.optimizer, grad_dtype="fp32").grads \
-        if cfg.stage == 1 else held.grads
+    held = held_state_bytes(params, cfg.dp, cfg.stage, cfg.dtype, cfg.optimizer)
+    grads = held.grads
     if cfg.accum > 1 and cfg.stage <= 1:
         grads += params * elem
     states = held.params + grads + held.optimizer
