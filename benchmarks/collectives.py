@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", default="2,3")
     p.add_argument("--mb", default="1,4,13,52", help="payload sizes (full tensor), MB")
     args = p.parse_args(argv)
-    from zeroray.comm.group import free_port
+    from zeroray.comm.port import free_port
 
     ctx = mp.get_context("spawn")
     sizes = [float(x) for x in args.mb.split(",")]

@@ -124,7 +124,7 @@ def _child(kind, model, shape, world, rank, port, queue):
 def _run(kind, model, shape, world, ranks):
     import multiprocessing as mp
 
-    from zeroray.comm.group import free_port
+    from zeroray.comm.port import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -162,7 +162,7 @@ def _rank(rank: int, world: int, ports: list, rows: list, large: bool, out: str)
 
 
 def main(argv=None) -> int:
-    from zeroray.comm.group import free_port
+    from zeroray.comm.port import free_port
 
     args = list(sys.argv[1:] if argv is None else argv)
     large = "--large" in args or bool(os.environ.get("LARGE"))

@@ -161,7 +161,7 @@ def fsdp2_part(setup: Setup) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from zeroray.comm.group import free_port
+    from zeroray.comm.port import free_port
 
     if setup.cuda:
         torch.cuda.set_device(0)

@@ -130,7 +130,7 @@ def calibrate_gloo(worlds: List[int], sizes_mb=GLOO_MB) -> List[Dict[str, Any]]:
     import torch.multiprocessing as mp
 
     import collectives
-    from zeroray.comm.group import free_port
+    from zeroray.comm.port import free_port
 
     ctx = mp.get_context("spawn")
     rows = []

@@ -29,7 +29,8 @@ def world1_group(backend: str, timeout_s: float = 120.0):
     """
     import torch.distributed as dist
 
-    from zeroray.comm.group import TorchGroup, free_port
+    from zeroray.comm.group import TorchGroup
+    from zeroray.comm.port import free_port
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timeout, wait_for_workers=True)

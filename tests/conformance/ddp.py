@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, blob: bytes, ports: List[int], out_dir: str) 
 
 def run_ddp(world: int, cases: List[Case]) -> List[List[dict]]:
     """Per case, per rank: {"losses", "unused" (per step), "state" (after the last step)}."""
-    from zeroray.comm.group import free_port
+    from zeroray.comm.port import free_port
 
     assert all(c.config.world == world for c in cases), "every case runs on all `world` ranks"
     with tempfile.TemporaryDirectory() as out_dir:

@@ -53,7 +53,7 @@ def _barrier(out_dir: str, index: int, world: int) -> None:
 
 def _port(rank: int, index: int, out_dir: str) -> int:
     """Rank 0 picks a free port and publishes it (atomically: write, then rename)."""
-    from zeroray.comm.group import free_port
+    from zeroray.comm.port import free_port
 
     path = os.path.join(out_dir, f"port{index}")
     if rank == 0:

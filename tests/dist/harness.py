@@ -9,7 +9,8 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
-from zeroray.comm.group import free_port, make_torch_group
+from zeroray.comm.group import make_torch_group
+from zeroray.comm.port import free_port
 from zeroray.engine.batch import split_batch
 from zeroray.engine.engine import Engine
 from zeroray.memory.report import live_tensor_bytes, measure

@@ -22,7 +22,8 @@ import zeroray as zr
 from tests.dist.harness import record_failure, spawn_ranks
 from tests.real_models import hf_gpt2, real_batches, real_loss
 from zeroray.engine.batch import split_batch
-from zeroray.comm.group import free_port, make_torch_group
+from zeroray.comm.group import make_torch_group
+from zeroray.comm.port import free_port
 from zeroray.engine.engine import Engine
 from zeroray.errors import PeerStepError
 

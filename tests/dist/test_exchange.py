@@ -6,7 +6,8 @@ import time
 import torch
 
 from tests.dist.harness import record_failure, spawn_ranks
-from zeroray.comm.group import TorchGroup, free_port, make_torch_group
+from zeroray.comm.group import TorchGroup, make_torch_group
+from zeroray.comm.port import free_port
 
 
 def _rank(rank, world, port, out_dir):

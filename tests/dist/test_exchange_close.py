@@ -14,7 +14,8 @@ import time
 import torch
 
 from tests.dist.harness import record_failure, spawn_ranks
-from zeroray.comm.group import free_port, make_torch_group
+from zeroray.comm.group import make_torch_group
+from zeroray.comm.port import free_port
 
 TIMEOUT_S = 2.0
 

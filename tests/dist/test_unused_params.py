@@ -22,7 +22,7 @@ from tests.dist.harness import record_failure, run_engines, spawn_ranks
 from tests.dist.test_engine_parity import assert_parity, global_losses
 from tests.experts import expert_batches, experts_model, unused_in
 from tests.models import lm_loss
-from zeroray.comm.group import free_port
+from zeroray.comm.port import free_port
 from zeroray.engine.batch import split_batch
 
 STEPS = 6

@@ -414,12 +414,3 @@ def make_torch_group(backend: str, rank: int, world_size: int, master_addr: str,
     else:
         raise ValueError(f"backend={backend!r} is unknown: use 'gloo' (CPU) or 'nccl' (GPU)")
     return TorchGroup(pg, rank, world_size, backend, store=store, timeout_s=timeout_s)
-
-
-def free_port() -> int:
-    """A free TCP port on this host, for rank 0's store (the driver passes it to every rank)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

@@ -75,7 +75,7 @@ class Worker:
 
     @ray.method(concurrency_group="control")
     def free_port(self) -> int:
-        from zeroray.comm.group import free_port
+        from zeroray.comm.port import free_port
 
         return free_port()
 
