@@ -13,7 +13,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import tempfile
 import time
 import traceback
@@ -22,22 +21,17 @@ from typing import Callable, List, Optional
 from common import (BenchSpec, StepClock, add_import_paths, build_model, current_rss_bytes,
                     global_batches, limit_threads, peak_rss_bytes, worker_slice)
 from commcount import CommCounter
+from zeroray.comm.port import free_port  # outside the ephemeral range: [Note: port outside the ephemeral range]
 
 
 class PeerFailed(RuntimeError):
     pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(row: str, spec: BenchSpec, *, nprocs: int, timeout_s: float, extra: Optional[dict] = None) -> List[dict]:
     """Run ``row`` in ``nprocs`` spawned processes; return each rank's result, rank order."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix=f"zr-bench-{row}-") as out_dir:
         procs = [ctx.Process(target=_rank_main, args=(row, rank, nprocs, port, spec, extra or {}, out_dir),
                              name=f"bench-{row}-{rank}") for rank in range(nprocs)]
@@ -57,7 +51,7 @@ class GatedRow:
     def __init__(self, row: str, spec: BenchSpec, *, nprocs: int, timeout_s: float,
                  extra: Optional[dict] = None) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.row, self.timeout_s = row, timeout_s
         self.out_dir = tempfile.mkdtemp(prefix=f"zr-bench-{row}-")
         self.conns, self.procs = [], []
