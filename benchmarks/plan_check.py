@@ -7,8 +7,9 @@ Rows (docs/planning.md says what the simulator models):
   headline results of shared/reference/scale-anchors.md plus Table 1's example;
 - the H200 evidence (808M bf16, world 1): compute calibrated from the plain PyTorch step, the rest predicted;
 - torchtitan's Llama 3.1 8B FSDP on H100 (bf16, no compile, local batch 2 x 8192, 96 GB HBM2e at 500 W).
-The CPU rows of this machine (stages 0-3 at 2 and 3 workers on gpt, mha, hf-gpt2) are not measured
-here yet: they are listed as missing rather than guessed.
+The CPU rows of this machine (stages 0-3 at 2 and 3 workers on gpt, mha, hf-gpt2) read
+benchmarks/results/plan_cpu_measured.json (``--measure`` takes it, ``--measure-contention`` only its
+floor with every core busy); without it they are listed as missing rather than guessed.
 """
 from __future__ import annotations
 
