@@ -277,6 +277,8 @@ def cpu(path: str, q: float = 0.5) -> bool:
         lone = f" (alone {f['lone_fwd_bwd_s'] * 1e3:.0f} ms)" if "lone_fwd_bwd_s" in f else ""
         if "contention" in f:
             lone += f", every core busy {f['contention']:.3f}x alone"
+            if f["contention"] > 1.5:  # one copy per core cannot halve the speed: the copies shared a core
+                lone += " (SUSPECT: the copies did not each have a core; re-measure on a quiet machine)"
         if "straggler" in f:
             lone += f", the slowest rank {f['straggler']:.3f}x"
         print(f"  {key}: floor forward+backward {f['fwd_bwd_s'] * 1e3:.0f} ms{lone}, AdamW {f['adamw_s'] * 1e3:.1f} ms "
