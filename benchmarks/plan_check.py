@@ -7,8 +7,9 @@ Rows (docs/planning.md says what the simulator models):
   headline results of shared/reference/scale-anchors.md plus Table 1's example;
 - the H200 evidence (808M bf16, world 1): compute calibrated from the plain PyTorch step, the rest predicted;
 - torchtitan's Llama 3.1 8B FSDP on H100 (bf16, no compile, local batch 2 x 8192, 96 GB HBM2e at 500 W).
-The CPU rows of this machine (stages 0-3 at 2 and 3 workers on gpt, mha, hf-gpt2) are not measured
-here yet: they are listed as missing rather than guessed.
+The CPU rows of this machine (stages 0-3 at 2 and 3 workers on gpt, mha, hf-gpt2) read
+benchmarks/results/plan_cpu_measured.json (``--measure`` takes it, ``--measure-contention`` only its
+floor with every core busy); without it they are listed as missing rather than guessed.
 """
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ def cpu_cluster(floor: dict, workload: plan.Workload, rows: list, world: int, co
     """This machine as a plan.Cluster, from measured constants only: ``achieved`` from the
     single-process forward+backward, ``hbm_bw`` from the flat AdamW step (both taken with every
     core busy where the measurement has it: plan_measure's ``contended``), the ring from gloo's
-    α–β, ``cores`` from the machine."""
+    α–β, ``cores`` from the machine, ``straggler`` from the contended floor's slowest copy."""
     lat, bw = gloo_ring(rows, world)
     base = plan.cluster_preset("cpu", gpus_per_node=world, cores=cores, intra_bw=bw, intra_lat=lat, inter_bw=bw,
                                inter_lat=lat, launch_s=0.0, half_tokens=1e-9)
@@ -163,7 +164,7 @@ def cpu_cluster(floor: dict, workload: plan.Workload, rows: list, world: int, co
     probe = plan.simulate(workload, base.with_(hbm_bw=hbm), plan.RunConfig(
         0, 1, micro_batch=floor["spec"]["batch_per_worker"], dtype="fp32", checkpointing=False, optimizer="adamw"))
     achieved = base.achieved * probe.compute_s / floor["fwd_bwd_s"]
-    return base.with_(achieved=achieved, hbm_bw=hbm)
+    return base.with_(achieved=achieved, hbm_bw=hbm, straggler=floor.get("straggler", 1.0))
 
 
 def bench_workload(spec: dict) -> plan.Workload:
@@ -193,6 +194,32 @@ def at_quantile(rec: dict, q: float) -> dict:
     return out
 
 
+def slowest_copies(c: dict) -> list:
+    """Per step, the slowest copy's forward+backward of a contended floor: the kept list, or (a
+    measurement from before it was kept) the per-copy lists that ``fwd_bwd_all_s`` concatenates,
+    their steps started together."""
+    if "slowest_fwd_bwd_all_s" in c:
+        return c["slowest_fwd_bwd_all_s"]
+    xs, copies = c["fwd_bwd_all_s"], c["copies"]
+    n = len(xs) // copies
+    return [max(step) for step in zip(*(xs[i * n:(i + 1) * n] for i in range(copies)))]
+
+
+def contention(c: dict, floor: dict, q: float) -> dict:
+    """The floor figures a row's cluster is calibrated from, with every core busy (plan_measure's
+    ``contended``): the forward+backward is the row's own lone floor (taken between the row's steps)
+    times the together/alone ratio of the contended run (both halves at the same moments), or,
+    for a measurement without the alone half, the contended run's own; ``straggler`` is the slowest
+    copy of each step over the median copy (plan.Cluster's)."""
+    together = quantile(c["fwd_bwd_all_s"], q)
+    out = {"lone_fwd_bwd_s": floor["fwd_bwd_s"], "adamw_s": quantile(c["adamw_all_s"], q),
+           "straggler": max(1.0, quantile(slowest_copies(c), q) / together), "fwd_bwd_s": together}
+    if "alone_fwd_bwd_all_s" in c:
+        out["contention"] = together / quantile(c["alone_fwd_bwd_all_s"], q)
+        out["fwd_bwd_s"] = floor["fwd_bwd_s"] * out["contention"]
+    return out
+
+
 def cpu(path: str, q: float = 0.5) -> bool:
     """This machine: zr.Trainer steps of stages 0-3 at each world size measured against the replay on
     a cluster built from measured constants (cpu_cluster), plus the fixed per-step cost of each stage
@@ -206,14 +233,13 @@ def cpu(path: str, q: float = 0.5) -> bool:
     cores = float(m["machine"]["cpus"])
     m["overhead"] = {k: at_quantile(rec, q) for k, rec in m["overhead"].items()}
     m["steps"] = {k: at_quantile(rec, q) for k, rec in m["steps"].items()}
-    # Workers filling every core compute at the cores' shared speed, not one process's alone: the
-    # replay is calibrated from the floor measured with every core busy, where there is one.
+    # Workers filling every core compute at the cores' shared speed, not one process's alone, and a
+    # step moves at its slowest rank's pace: both from the floor measured with every core busy.
     contended = m.get("contended", {})
     for key, rec in m["steps"].items():
         c = contended.get(key.split("/")[0])
         if c:
-            rec["floor"] = dict(rec["floor"], lone_fwd_bwd_s=rec["floor"]["fwd_bwd_s"],
-                                fwd_bwd_s=quantile(c["fwd_bwd_all_s"], q), adamw_s=quantile(c["adamw_all_s"], q))
+            rec["floor"] = dict(rec["floor"], **contention(c, rec["floor"], q))
     cfg = lambda stage, world, spec: plan.RunConfig(stage, world, micro_batch=spec["batch_per_worker"], dtype="fp32",
                                                     checkpointing=False, optimizer="adamw")
     overhead = {}
@@ -249,6 +275,12 @@ def cpu(path: str, q: float = 0.5) -> bool:
     for key, rec in m["steps"].items():
         f = rec["floor"]
         lone = f" (alone {f['lone_fwd_bwd_s'] * 1e3:.0f} ms)" if "lone_fwd_bwd_s" in f else ""
+        if "contention" in f:
+            lone += f", every core busy {f['contention']:.3f}x alone"
+            if f["contention"] > 1.5:  # one copy per core cannot halve the speed: the copies shared a core
+                lone += " (SUSPECT: the copies did not each have a core; re-measure on a quiet machine)"
+        if "straggler" in f:
+            lone += f", the slowest rank {f['straggler']:.3f}x"
         print(f"  {key}: floor forward+backward {f['fwd_bwd_s'] * 1e3:.0f} ms{lone}, AdamW {f['adamw_s'] * 1e3:.1f} ms "
               f"({f['params'] / 1e6:.2f}M params)")
     return True

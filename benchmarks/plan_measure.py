@@ -7,10 +7,13 @@ Three kinds, each written into one JSON (benchmarks/results/plan_cpu_measured.js
   thread: forward+backward, and the fused AdamW step over one flat fp32 tensor of the model's size
   (the engine's flat optimizer), taken between the trainers' steps (``Floor``);
 - ``contended`` (per model): the same floor step taken in as many processes as the machine has
-  cores at once, each on its own core, started together at every step (``contended_floor``).
-  Workers that fill every core compute slower than one process alone (they share the caches and
-  the memory bandwidth): on this machine DDP's two ranks step at 1.17-1.24x the lone floor. The
-  replay's compute is calibrated from this one, the cores' speed when all of them work;
+  cores at once, started together at every step, each step followed by each copy's step alone
+  while the others wait (``contended_floor``). Workers that fill every core compute slower than
+  one process alone (they share the caches and the memory bandwidth), and a step's ranks wait for
+  the slowest of them at its collectives: on this machine DDP's two ranks step at 1.17-1.24x the
+  lone floor. plan_check calibrates the replay's compute from the lone floor of each row times
+  the together/alone ratio of the same moments, and ``Cluster.straggler`` from the slowest copy
+  of each step over the median copy;
 - ``gloo``: collectives.py's timings of the engine's own calls (the point-to-point exchange's
   all-gather and reduce-scatter, the stage-0 all-reduce) at each world size, over sizes that span
   the buckets and units of these models; plan_check fits α–β to them;
@@ -86,32 +89,49 @@ class Floor:
         self.adamw.append(t2 - t1)
 
 
-def _contended_rank(spec: BenchSpec, barrier, out) -> None:
+def _contended_rank(spec: BenchSpec, rank: int, copies: int, barrier, out) -> None:
     add_import_paths()
     floor = Floor(spec)
+    alone: Dict[str, List[float]] = {"fwd_bwd": [], "adamw": []}
     for batch in global_batches(spec):
         barrier.wait()  # every copy starts its step together, as a step's workers do
         floor.step(batch)
-    out.put({"fwd_bwd": floor.fwd_bwd[spec.warmup_steps:], "adamw": floor.adamw[spec.warmup_steps:]})
+        for turn in range(copies):  # then each copy alone in turn, the others waiting: the same moment's load
+            barrier.wait()
+            if turn == rank:
+                floor.step(batch)
+                alone["fwd_bwd"].append(floor.fwd_bwd.pop())
+                alone["adamw"].append(floor.adamw.pop())
+    w = spec.warmup_steps
+    out.put({"rank": rank, "fwd_bwd": floor.fwd_bwd[w:], "adamw": floor.adamw[w:],
+             "alone_fwd_bwd": alone["fwd_bwd"][w:], "alone_adamw": alone["adamw"][w:]})
 
 
 def contended_floor(spec: BenchSpec, copies: int) -> Dict[str, Any]:
-    """``Floor``'s step in ``copies`` processes at once (one per core): the medians over every copy's
-    timed steps."""
+    """``Floor``'s step in ``copies`` processes at once (one per core), started together at every
+    step, each step followed by each copy's step alone while the others wait (the ratio of the two
+    is then taken at the same moment's background load). Medians over every copy's timed steps,
+    and ``slowest_fwd_bwd_s``: the median over steps of the slowest copy's time, the pace of ranks
+    that meet at every step's collectives (plan.Cluster's ``straggler``)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(copies), ctx.Queue()
-    procs = [ctx.Process(target=_contended_rank, args=(spec, barrier, out)) for _ in range(copies)]
+    procs = [ctx.Process(target=_contended_rank, args=(spec, r, copies, barrier, out)) for r in range(copies)]
     for p in procs:
         p.start()
-    results = [out.get(timeout=600) for _ in procs]
+    results = sorted((out.get(timeout=900) for _ in procs), key=lambda r: r["rank"])
     for p in procs:
         p.join()
     fwd_bwd = [x for r in results for x in r["fwd_bwd"]]
     adamw = [x for r in results for x in r["adamw"]]
+    alone = [x for r in results for x in r["alone_fwd_bwd"]]
+    slowest = [max(step) for step in zip(*(r["fwd_bwd"] for r in results))]
     return {"copies": copies, "fwd_bwd_s": statistics.median(fwd_bwd), "adamw_s": statistics.median(adamw),
-            "fwd_bwd_all_s": fwd_bwd, "adamw_all_s": adamw, "load": os.getloadavg(), "at": time.time()}
+            "slowest_fwd_bwd_s": statistics.median(slowest), "alone_fwd_bwd_s": statistics.median(alone),
+            "fwd_bwd_all_s": fwd_bwd, "adamw_all_s": adamw, "slowest_fwd_bwd_all_s": slowest,
+            "alone_fwd_bwd_all_s": alone, "alone_adamw_all_s": [x for r in results for x in r["alone_adamw"]],
+            "load": os.getloadavg(), "at": time.time()}
 
 
 def measure_contention(models=MODELS, steps: int = 8, warmup: int = 3) -> Dict[str, Any]:
@@ -120,8 +140,10 @@ def measure_contention(models=MODELS, steps: int = 8, warmup: int = 3) -> Dict[s
     out = {}
     for m in models:
         out[m] = contended_floor(spec_for(m, 1, steps, warmup), os.cpu_count() or 1)
-        print(f"  {m}: floor forward+backward with every core busy {out[m]['fwd_bwd_s'] * 1e3:.0f} ms, "
-              f"AdamW {out[m]['adamw_s'] * 1e3:.1f} ms ({out[m]['copies']} copies)", flush=True)
+        c = out[m]
+        print(f"  {m}: floor forward+backward with every core busy {c['fwd_bwd_s'] * 1e3:.0f} ms (the slowest copy "
+              f"{c['slowest_fwd_bwd_s'] * 1e3:.0f} ms; alone {c['alone_fwd_bwd_s'] * 1e3:.0f} ms), "
+              f"AdamW {c['adamw_s'] * 1e3:.1f} ms ({c['copies']} copies)", flush=True)
     return out
 
 

@@ -40,6 +40,23 @@ def test_module_units_are_the_engines_layout():
     assert all(u.matmul_params <= u.params for u in w.units)
 
 
+def test_module_blocks_with_multihead_attention_count_attention_once():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(16)
+            self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def net():
+        m = torch.nn.Module()
+        m.emb = torch.nn.Embedding(11, 16)
+        m.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+        return m
+
+    w = plan.from_module(net, seq_len=8)
+    assert w.layers == 3 and [u.name for u in w.units if u.attention] == [f"blocks.{i}.attn" for i in range(3)]
+
+
 def test_ring_costs():
     r = Ring(4, 1e9, 1e-5)
     assert r.all_gather(4e9) == pytest.approx(1e-5 + 3.0)
@@ -95,6 +112,20 @@ def test_cpu_workers_share_the_cores_and_recompute_costs_backward_time():
     assert full.compute_s == pytest.approx(plan.simulate(w, h100, plan.RunConfig(3, 8, checkpointing=True)).compute_s)
     with pytest.raises(ValueError, match="recompute"):
         plan.RunConfig(3, 8, recompute=1.5)
+
+
+def test_ranks_step_at_the_slowest_ranks_pace():
+    w = plan.model_preset("gpt2", seq_len=128)
+    cpu = plan.cluster_preset("cpu", gpus_per_node=2, cores=2.0)
+    cfg = plan.RunConfig(0, 2, dtype="fp32", checkpointing=False)
+    even, uneven = plan.simulate(w, cpu, cfg), plan.simulate(w, cpu.with_(straggler=1.25), cfg)
+    assert uneven.compute_s == pytest.approx(1.25 * even.compute_s)
+    assert uneven.step_s > even.step_s + 0.2 * even.compute_s
+    # a single worker waits for no one
+    one = plan.RunConfig(0, 1, dtype="fp32", checkpointing=False)
+    assert plan.simulate(w, cpu.with_(straggler=1.25), one).step_s == pytest.approx(plan.simulate(w, cpu, one).step_s)
+    with pytest.raises(ValueError, match="straggler"):
+        cpu.with_(straggler=0.9)
 
 
 def test_stage3_replays_the_engines_schedule():

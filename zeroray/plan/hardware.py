@@ -22,6 +22,16 @@ at that world size on the same cores, adds to the step instead of overlapping it
 The ``cpu`` preset's figures are placeholders of this class of machine: benchmarks/plan_check.py
 builds this machine's from what benchmarks/plan_measure.py measured (the single-process step, the
 flat AdamW step, gloo's α–β and a tiny model's step for ``step_overhead_s``).
+
+``straggler`` (>= 1) is how much longer a step's compute takes when every rank must wait for the
+slowest: the ranks of a data-parallel step meet at its collectives, so the step moves at the pace
+of the slowest rank, not of a typical one. On dedicated GPUs the ranks' times barely differ (1).
+CPU workers that share a machine's cores do not run alike: the OS schedules them unevenly, and
+one of them is behind at every collective (the engine's comm_report shows one rank waiting tens
+of milliseconds on its peers at every step). It is measured, not fitted: the median over steps of
+the slowest of ``cores`` copies of the single-process step started together, over the median of
+all of their steps (benchmarks/plan_measure.py's ``contended_floor``). A single worker waits for
+no one and does not pay it.
 """
 from __future__ import annotations
 
@@ -48,6 +58,7 @@ class Cluster:
     fp32_ratio: float = 0.5      # fp32 matmul speed relative to the 16-bit peak (TF32 on Ampere+)
     cores: float = 0.0           # CPU cores a node's workers share (CPU workers); 0: a device per worker
     step_overhead_s: float = 0.0  # host seconds per step outside the replay (runtime call, status), measured
+    straggler: float = 1.0       # the slowest rank's compute over a typical rank's, measured (>= 1)
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node",):
@@ -56,6 +67,9 @@ class Cluster:
         for name in ("memory_bytes", "peak_flops", "achieved", "intra_bw", "inter_bw", "hbm_bw"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r} is invalid: it must be > 0")
+        if not self.straggler >= 1.0:
+            raise ValueError(f"Cluster.straggler={self.straggler!r} is invalid: it is the slowest rank's compute "
+                             "time over a typical rank's, at least 1 (1: ranks that run alike)")
 
     def efficiency(self, tokens: float) -> float:
         """Fraction of peak reached by a micro-batch of ``tokens`` tokens; see [Note: hardware presets]."""

@@ -27,7 +27,8 @@ Workers that share CPU cores (``Cluster.cores``: the CPU preset) share them: com
 optimizer and launches of each run ``core_share`` times slower when a node has more workers than
 cores, and when they have every core busy (``saturated``) a collective does not overlap the
 compute: gloo over loopback TCP moves its bytes with the same cores' copies, so the compute
-stream waits for it ([Note: hardware presets]).
+stream waits for it ([Note: hardware presets]). With more than one rank, the compute runs at the
+slowest rank's pace (``Cluster.straggler``): the ranks meet at every collective.
 
 Backward costs twice the forward plus the recomputed share of it (``recompute``: 1 with
 activation checkpointing, 0 without; a selective policy recomputes a part, e.g. torchtitan's
@@ -118,7 +119,8 @@ def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
     tokens = cfg.micro_batch * w.seq_len
     peak = cluster.peak_flops * (1.0 if elem == 2 else cluster.fp32_ratio)
     share = cluster.core_share(min(cfg.gpus, cluster.gpus_per_node))
-    rate = peak * cluster.efficiency(tokens) / share
+    # ranks that meet at collectives step at the slowest one's pace; one rank waits for no one
+    rate = peak * cluster.efficiency(tokens) / share / (cluster.straggler if cfg.gpus > 1 else 1.0)
     recompute = cfg.recompute if cfg.recompute is not None else (1.0 if cfg.checkpointing else 0.0)
     fwd = [w.unit_flops_per_token(u) / 3 * tokens / cfg.tp / rate for u in w.units]
     bwd = [2 * f + recompute * f for f in fwd]

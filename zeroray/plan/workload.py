@@ -172,11 +172,15 @@ def from_module(model_or_fn: Any, *, seq_len: int = 1024, hidden: int = 0, heads
     # A block is one element of an nn.ModuleList/nn.Sequential (the engine's "auto" wrap cuts there); its
     # first unit carries the block's attention FLOPs and activations, whatever units the wrap made of it.
     lists = {name for name, m in model.named_modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))}
-    seen = set()
-    for i, u in enumerate(layout.units):
+    # A block whose nn.MultiheadAttention already marked its unit is counted there, once.
+    def block_of(u) -> Optional[str]:
         parts = (u.module or "").split(".")
-        block = next((".".join(parts[:k + 1]) for k in range(len(parts)) if parts[k].isdigit()
-                      and ".".join(parts[:k]) in lists), None)
+        return next((".".join(parts[:k + 1]) for k in range(len(parts)) if parts[k].isdigit()
+                     and ".".join(parts[:k]) in lists), None)
+
+    seen = {block_of(u) for u in layout.units if attention[u.index]}
+    for i, u in enumerate(layout.units):
+        block = block_of(u)
         if block is not None and hidden and block not in seen:
             seen.add(block)
             attention[i] = True
