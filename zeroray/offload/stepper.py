@@ -7,7 +7,10 @@ parameter) lives in the tier's files (offload/tier.py) between steps, addressed 
 in the rank's flat master. ``inner.state`` keeps only what is not per element (Adam's 0-dim
 ``step``), so everything that reads or changes it, the splitting of pieces for parameters no
 rank used ([Note: unused parameters] in engine/flat_pieces.py) among them, runs unchanged.
-The fp32 master, the gradient, clipping and loss scaling stay where they were.
+In mixed precision the fp32 master is in the files too, one more file (``MASTER``), read and
+written with the state, and each stepped chunk is cast into the parameter memory (``target``):
+[Note: master on disk] in offload/master.py. In fp32 the master is the parameters and stays in
+memory. The gradient, clipping and loss scaling stay where they were.
 
 A step walks the pieces the optimizer would step (those with a gradient) in order, cut into
 chunks of at most ``chunk_elems`` elements, through three slots of buffers, one tensor per
@@ -15,14 +18,15 @@ state key each: while chunk ``i`` steps, chunk ``i + 1``'s state is being read i
 slot and chunk ``i - 1``'s written back from the one before (the slot chunk ``i + 2`` reuses is
 free once that write ends). So memory holds three chunks of state, never all of it. Chunk
 ``i`` steps as the user's optimizer steps anything: a flat parameter viewing the chunk of the
-master (its gradient a view of the gradient) takes the piece's place in its param group, with
+master (in memory, or the slot's master buffer when the master is on disk; its gradient a view
+of the gradient) takes the piece's place in its param group, with
 the slot's tensors and a copy of the piece's scalar state as its state, and the other pieces
 have no gradient for the moment, so ``inner.step()`` updates exactly the chunk and the
 buffers, in place. Adam, AdamW and SGD are elementwise, so every chunk of a piece, starting
 from the same ``step``, computes what one step of the whole piece would, element for element;
 the piece's scalar state afterwards is the chunk's (all chunks agree). A piece with no state
-yet (never stepped: torch makes state lazily) reads nothing and lets torch make the chunk's
-state, which is then written like the rest. An optimizer whose state is not per element
+yet (never stepped: torch makes state lazily) reads no state (only its master, when that is
+on disk) and lets torch make the chunk's state, which is then written like the rest. An optimizer whose state is not per element
 (shaped otherwise than its parameter) is refused: chunks would change what it computes.
 
 Across steps the I/O runs behind the model's compute too: the engine calls ``prefetch`` when
@@ -46,7 +50,7 @@ workers' steps were applied: continue from the last checkpoint (``zr.Trainer.res
 holds the truth (the files are scratch). The runtime does not yet do that by itself: it reports
 the error as the worker's own, like any error in user code.
 Checkpoints read the files into the flat tensors they export, and an import writes them back
-(``loaded``, ``spill``).
+(``loaded``, ``spill``; the master: ``read_master``, ``write_master``).
 """
 from __future__ import annotations
 
