@@ -2,9 +2,10 @@
 save at 2 workers (stage 3), restore at 3 (stage 2), resize in place 3 -> 2: the run equals uninterrupted single-process PyTorch within 1e-5, as without offload
 (tests/ray/test_checkpoint_resize.py). In bf16 (the fp32 master on disk too, [Note: master on
 disk] in zeroray/offload/master.py) the same sequence equals the one without offload bitwise.
-A worker SIGKILLed mid-fit with the master and state on disk recovers from the disk checkpoint
-(the survivor keeps its process and its files, which the checkpoint overwrites) and the run
-equals the uninterrupted one without offload bitwise. The files are scratch: the checkpoint
+A worker SIGKILLed mid-fit with the master and state on disk recovers, from the disk checkpoint
+(the group restarts) or from an in-memory snapshot (the survivor keeps its process and its
+files, which the snapshot's import overwrites), and the run equals the uninterrupted one
+without offload bitwise. The files are scratch: the checkpoint
 holds the state. An offload_dir that cannot hold the files fails the Trainer's start with a
 clear error."""
 import functools
@@ -88,26 +89,37 @@ def test_bf16_master_on_disk_save_restore_resize_equals_memory(ray_local, refere
 KILL_STEPS, KILL_AT, EVERY = 8, 5, 2
 
 
-def _killable(gate_dir, ckpt_dir, **offload):
+def _killable(gate_dir, ckpt_dir, snapshot=False, **offload):
+    failure = zr.FailureConfig(max_failures=1, snapshot_every=1 if snapshot else None)
     return zr.Trainer(parity_model, functools.partial(gated_loss, str(gate_dir)), optimizer=zr.AdamW(**OPT),
                       zero=zr.ZeroConfig(stage=3, dtype="bf16", collective_timeout_s=10.0, **offload),
-                      scaling=zr.ScalingConfig(num_workers=2), failure=zr.FailureConfig(max_failures=1),
+                      scaling=zr.ScalingConfig(num_workers=2), failure=failure,
                       checkpoint=zr.CheckpointConfig(path=str(ckpt_dir), every_steps=EVERY, keep=2))
 
 
-def test_sigkill_with_offload_recovers_from_the_checkpoint_bitwise(ray_local, tmp_path):
-    """Worker 1 dies inside step 6 (bf16, stage 3: master and Adam state on disk): the fit
-    resumes from the checkpoint of step 4; the survivor's files had step 5's state, which the
-    restore overwrote. Equal to the uninterrupted run without offload, bitwise."""
+@pytest.fixture(scope="module")
+def uninterrupted(ray_local, tmp_path_factory):
+    """The bf16 stage-3 run without offload and without failures: results and state_dict."""
     batches = make_batches(KILL_STEPS)
+    root = tmp_path_factory.mktemp("uninterrupted")
+    (root / "gate").mkdir()
+    with _killable(root / "gate", root / "ckpt") as trainer:
+        return batches, trainer.fit(batches, progress=False), trainer.state_dict()
+
+
+# Without snapshots the group restarts from the disk checkpoint of step 4; with them the lost
+# worker alone is replaced and the survivor, which keeps its process and its files, imports the
+# snapshot of step 5 over them.
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_sigkill_with_offload_recovers_bitwise(ray_local, uninterrupted, tmp_path, snapshot):
+    """Worker 1 dies inside step 6 (bf16, stage 3: master and Adam state on disk); the run
+    equals the uninterrupted one without offload, bitwise."""
+    batches, ref, ref_state = uninterrupted
     gate = tmp_path / "gate"
     gate.mkdir()
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    with _killable(gate, tmp_path / "ref_ckpt") as trainer:  # uninterrupted, in memory
-        ref = trainer.fit(batches, progress=False)
-        ref_state = trainer.state_dict()
-    with _killable(gate, tmp_path / "ckpt", offload="disk", offload_dir=str(scratch),
+    with _killable(gate, tmp_path / "ckpt", snapshot, offload="disk", offload_dir=str(scratch),
                    offload_chunk_bytes=512) as trainer:
         survivor = trainer.workers[0]["pid"]
         arm, landed, target = _arm_kill(trainer, gate, batches[KILL_AT])
@@ -117,9 +129,11 @@ def test_sigkill_with_offload_recovers_from_the_checkpoint_bitwise(ray_local, tm
         rec = trainer.recoveries[0]
         print(f"\n  offload='disk', bf16 stage 3: recovered from {rec['restored_from']} at step {rec['step']}, "
               f"{rec.get('redone_steps')} step(s) redone, mode {rec.get('mode')}")
-        assert rec["restored_from"] == "disk" and rec["step"] == 4, rec
-        if rec.get("mode") == "replace":
-            assert trainer.workers[0]["pid"] == survivor  # kept its process and its (now stale) files
+        if snapshot:
+            assert rec["restored_from"] == "memory" and rec["step"] == KILL_AT and rec["mode"] == "replace", rec
+            assert trainer.workers[0]["pid"] == survivor  # kept its process and its files
+        else:
+            assert rec["restored_from"] == "disk" and rec["step"] == 4, rec
         state = trainer.state_dict()
     assert [r.step for r in results] == [r.step for r in ref] == list(range(1, KILL_STEPS + 1))
     assert [r.loss for r in results] == [r.loss for r in ref]

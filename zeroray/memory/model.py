@@ -195,11 +195,21 @@ def offload_buffer_bytes(shard_numel: int, dtype: str, optimizer: OptimizerLike,
 
 def estimate_memory(num_params: Union[int, float], num_workers: int, stage: int,
                     dtype: str = "fp16", optimizer: OptimizerLike = "adam",
-                    grad_dtype: Optional[str] = None, snapshot: bool = False) -> int:
+                    grad_dtype: Optional[str] = None, snapshot: bool = False,
+                    offload: Optional[str] = None, offload_chunk_bytes: int = 16 * 2**20) -> int:
     """Total bytes of model states per worker (paper Figure 1: 7.5e9 params, 64 workers,
     fp16, Adam -> 120e9, 31.4e9, 16.6e9, 1.9e9 bytes for stages 0-3). ``snapshot``: plus one
-    in-memory snapshot per worker (``FailureConfig(snapshot_every)``, :func:`snapshot_bytes`)."""
-    total = model_state_bytes(num_params, num_workers, stage, dtype, optimizer, grad_dtype).total
+    in-memory snapshot per worker (``FailureConfig(snapshot_every)``, :func:`snapshot_bytes`).
+    ``offload="disk"``: the optimizer term (K: the state and, in mixed precision, the fp32
+    master) is in files; memory holds the disk tier's buffers, :func:`offload_buffer_bytes` of
+    ``offload_chunk_bytes`` chunks, instead."""
+    if offload not in (None, "disk"):
+        raise ValueError(f"offload={offload!r} is invalid: choose None (the optimizer state in memory) or 'disk'")
+    held = model_state_bytes(num_params, num_workers, stage, dtype, optimizer, grad_dtype)
+    total = held.total
+    if offload == "disk":
+        shard = held.optimizer // max(optimizer_state_bytes_per_param(optimizer, dtype), 1)
+        total += offload_buffer_bytes(shard, dtype, optimizer, offload_chunk_bytes) - held.optimizer
     return total + (snapshot_bytes(num_params, num_workers, optimizer) if snapshot else 0)
 
 
