@@ -146,8 +146,13 @@ def largest_that_fits(peak: Callable[[int], int], cap: float, max_layers: int,
             return fit, seen
         if fit >= max_layers:
             return max_layers, seen
-        # The line through the two measured points nearest the cap, solved for the cap.
+        # The line through the two measured points nearest the cap, solved for the cap; once the
+        # cap is bracketed, through the bracket's ends (a rising line, however noisy the points
+        # inside: two neighbours whose peaks came out in the wrong order made a falling line, and
+        # the search then walked down from twice the fit one layer per run).
         points = sorted(seen.items(), key=lambda kv: abs(kv[1] - cap))[:2]
+        if over is not None and fit:
+            points = [(fit, seen[fit]), (over, seen[over])]
         (n1, p1), (n2, p2) = sorted(points)
         slope = (p2 - p1) / (n2 - n1) if n2 != n1 and p2 != p1 else None
         guess = int(n1 + (cap - p1) / slope) if slope and slope > 0 else fit * 2 or 1
@@ -165,7 +170,8 @@ def main(argv=None) -> int:
     limit_threads(1)
     cap = args.cap_mb * MB
     load = os.getloadavg()
-    print(f"per-worker cap {args.cap_mb:.0f} MB of peak RSS; {args.dtype}; GPT d_model {args.d_model}, {args.heads} heads, "
+    print(f"per-worker cap {args.cap_mb:.0f} MB of peak RSS; {args.dtype}; GPT d_model {args.d_model}, "
+          f"{args.heads} heads, "
           f"{args.seq_len} tokens x {args.batch} sequences per worker, {args.steps} steps; "
           f"load average {load[0]:.2f}", flush=True)
     runner, results = Runner(args), {}
