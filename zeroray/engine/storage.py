@@ -65,9 +65,8 @@ class ReplicatedStorage:
         self.layout, self.units, self.rank = layout, units, rank
         arena = units.arena
         copy = arena.dtype != torch.float32  # the master is a copy of its own
-        self.master: Master = LocalShard.contiguous(arena.float() if copy else arena)                  # 1D full fp32
-        if copy and master_on_disk:
-            self.master = DiskMaster(arena.float(), LocalShard.contiguous(arena))
+        self.master: Master = (DiskMaster(arena.float(), LocalShard.contiguous(arena)) if copy and master_on_disk
+                               else LocalShard.contiguous(arena.float() if copy else arena))  # 1D full fp32
         # publishing casts the master into the arena; on disk the step has cast each chunk already
         self.cast = copy and not master_on_disk
         self.grad = torch.zeros(layout.full_numel, dtype=torch.float32, device=arena.device)  # 1D full
