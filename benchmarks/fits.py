@@ -2,7 +2,7 @@
 
     python benchmarks/fits.py [--cap-mb 1000] [--workers 2,4] [--only ddp,fsdp2,zr1,zr2,zr3]
         [--d-model 512 --heads 8 --seq-len 64 --batch 2] [--steps 3] [--max-layers 160] [--json out.json]
-        [--offload disk]
+        [--offload disk] [--dtype bf16]
 
 For each row (torch DDP, torch FSDP2, zeroray stages 1-3; ``zr0`` on request) and each worker
 count, the deepest GPT (examples/gpt.py, fixed width, layers searched) whose every worker stays
@@ -12,6 +12,9 @@ one up) and each row's ratio to DDP's model size. With ``--offload disk`` every 
 twin ``zr<N>+disk`` beside it, the same with ``ZeroConfig(offload="disk")`` (the optimizer state in
 files under the system's temporary directory, [Note: disk offload] in zeroray/offload/stepper.py),
 under the same cap: the files' pages are the kernel's page cache, not the worker's resident set.
+``--dtype bf16`` (or fp16) trains the zeroray rows in mixed precision (the torch rows stay fp32,
+so it takes ``--only`` zeroray rows): there the fp32 master is a copy of its own, which
+offload="disk" puts in the files too ([Note: master on disk] in zeroray/offload/master.py).
 
 The cap: a worker's peak resident set, the kernel's high-water mark of the process's resident
 pages (VmHWM; ``getrusage`` reports it), construction included, must stay at or under
@@ -67,8 +70,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None)
     p.add_argument("--offload", choices=("disk",), default=None,
                    help="add a zr<N>+disk row beside each zeroray row (ZeroConfig(offload='disk'))")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="the zeroray rows' ZeroConfig.dtype (mixed precision: the torch rows are refused)")
     args = p.parse_args(argv)
     args.rows = [r for r in ROWS if r in {x.strip() for x in args.only.split(",")}]
+    if args.dtype != "fp32" and any(not r.startswith("zr") for r in args.rows):
+        p.error(f"--dtype {args.dtype} applies to the zeroray rows only (the torch rows train in fp32): "
+                "pass --only with zr rows, e.g. --only zr1,zr3")
     if args.offload:
         args.rows = [x for r in args.rows for x in ((r, f"{r}+{args.offload}") if r.startswith("zr") else (r,))]
     args.worker_counts = [int(w) for w in args.workers.split(",")]
@@ -99,7 +107,10 @@ class Runner:
 
                 self.session = ZerorayRows({})
             stage, _, offload = row[2:].partition("+")
-            workers_rss = self.session.run(int(stage), spec, {"offload": offload} if offload else {})["workers"]
+            fields = {"offload": offload} if offload else {}
+            if self.args.dtype != "fp32":
+                fields["dtype"] = self.args.dtype
+            workers_rss = self.session.run(int(stage), spec, fields)["workers"]
             return max(int(w["peak_rss"]) for w in workers_rss)
         import peers
 
@@ -135,8 +146,13 @@ def largest_that_fits(peak: Callable[[int], int], cap: float, max_layers: int,
             return fit, seen
         if fit >= max_layers:
             return max_layers, seen
-        # The line through the two measured points nearest the cap, solved for the cap.
+        # The line through the two measured points nearest the cap, solved for the cap; once the
+        # cap is bracketed, through the bracket's ends (a rising line, however noisy the points
+        # inside: two neighbours whose peaks came out in the wrong order made a falling line, and
+        # the search then walked down from twice the fit one layer per run).
         points = sorted(seen.items(), key=lambda kv: abs(kv[1] - cap))[:2]
+        if over is not None and fit:
+            points = [(fit, seen[fit]), (over, seen[over])]
         (n1, p1), (n2, p2) = sorted(points)
         slope = (p2 - p1) / (n2 - n1) if n2 != n1 and p2 != p1 else None
         guess = int(n1 + (cap - p1) / slope) if slope and slope > 0 else fit * 2 or 1
@@ -154,7 +170,8 @@ def main(argv=None) -> int:
     limit_threads(1)
     cap = args.cap_mb * MB
     load = os.getloadavg()
-    print(f"per-worker cap {args.cap_mb:.0f} MB of peak RSS; GPT d_model {args.d_model}, {args.heads} heads, "
+    print(f"per-worker cap {args.cap_mb:.0f} MB of peak RSS; {args.dtype}; GPT d_model {args.d_model}, "
+          f"{args.heads} heads, "
           f"{args.seq_len} tokens x {args.batch} sequences per worker, {args.steps} steps; "
           f"load average {load[0]:.2f}", flush=True)
     runner, results = Runner(args), {}

@@ -82,18 +82,21 @@ class ZeroConfig:
     offload: where the optimizer state lives between steps ([Note: disk offload] in
         zeroray/offload/stepper.py). None (default): in memory, beside the parameters. "disk": in
         files under ``offload_dir``, one per state tensor (Adam's exp_avg and exp_avg_sq) over this
-        worker's shard; the optimizer steps a chunk of ``offload_chunk_bytes`` at a time, reading
-        the next chunk's state and writing the last one's while the current one steps, so memory
-        holds a few chunks of state, never all of it. The fp32 master and the gradient stay in
-        memory. Any worker, any stage. "cpu" (the GPU workers' host-memory tier) is not built yet:
-        it is refused.
+        worker's shard, and in mixed precision (bf16, fp16) the fp32 master too ([Note: master on
+        disk] in zeroray/offload/master.py); the optimizer steps a chunk of
+        ``offload_chunk_bytes`` at a time, reading the next chunk's master and state and writing
+        the last one's while the current one steps, and casts each updated chunk into the
+        parameters, so memory holds a few chunks, never all of it. In fp32 the master is the
+        parameters themselves and stays in memory; so do the gradient and the compute-dtype
+        parameters (at stage 3 the parameter shard). Any worker, any stage. "cpu" (the GPU
+        workers' host-memory tier) is not built yet: it is refused.
     offload_dir: with offload="disk", the directory each worker makes its scratch folder in
         (unlinked as soon as its files are open, so nothing is left behind however the worker
         ends; their space is freed when the engine closes); None: the system's temporary
         directory. The files are scratch: checkpoints hold the optimizer state as without offload.
-    offload_chunk_bytes: with offload="disk", the state bytes of one chunk, summed over the state
-        tensors (Adam: 8 bytes per element); memory holds three chunks (one stepping, one being
-        read, one being written): 48 MiB by default. Larger chunks cost memory; smaller ones more
+    offload_chunk_bytes: with offload="disk", the bytes of one chunk, summed over the files
+        (Adam: 8 bytes per element, 12 in mixed precision with the master); memory holds three
+        chunks (one stepping, one being read, one being written): 48 MiB by default. Larger chunks cost memory; smaller ones more
         Python calls per step.
     """
 

@@ -12,6 +12,7 @@ import zeroray as zr
 from tests.dist.harness import run_engines
 from tests.dist.test_engine_parity import assert_parity, ref_adamw, ADAMW
 from tests.models import branch_model, lm_loss, make_batches, parity_model, reference_run
+from zeroray.memory.report import measure
 
 STEPS = 5
 CHUNK = 512  # bytes per chunk over Adam's two state tensors: 64 elements
@@ -21,7 +22,16 @@ def _spec(stage, batches, offload_dir=None, model_fn=parity_model, optimizer=Non
     offload = dict(offload="disk", offload_dir=offload_dir, offload_chunk_bytes=CHUNK) if offload_dir else {}
     return dict(model_fn=model_fn, loss_fn=lm_loss, optimizer=optimizer or zr.AdamW(**ADAMW),
                 zero=zr.ZeroConfig(stage=stage, **zero, **offload), batches=batches,
-                inspect=lambda engine: engine.offload_stats())
+                inspect=_inspect)
+
+
+def _inspect(engine):
+    """The disk tier's totals, the master's bytes still in memory, and the memory report's
+    optimizer term measured and estimated (memory/report.py)."""
+    report = measure(engine)
+    return {**engine.offload_stats(), "master_in_memory": sum(t.numel() for t in engine.master.tensors()),
+            "optimizer_measured": report["measured"]["optimizer"],
+            "optimizer_estimated": report["estimate"]["optimizer"], "pieces": len(engine.optimizer.pieces.pieces)}
 
 
 SGD = dict(lr=0.05, momentum=0.9)
@@ -65,10 +75,17 @@ def test_offload_equals_memory_and_pytorch(runs, name):
     ref = CASES[name][3]
     if ref is not None:
         assert_parity(refs[ref], off_results, off_params)
+    mixed = CASES[name][0].get("dtype", "fp32") != "fp32"
     for r in off_results:  # the state went through the files, in several chunks per step
         stats = r["inspect"]
         assert stats["steps"] == sum(not s for s in r["skipped"]) and stats["chunk_elems"] <= 128  # 64 (Adam), 128 (SGD)
-        assert stats["bytes_written"] > 0 and (stats["bytes_read"] > 0) == (stats["steps"] > 1)
+        assert stats["bytes_written"] > 0 and (stats["bytes_read"] > 0) == (stats["steps"] > 1 or mixed)
+        # mixed precision: the fp32 master is in the files too ([Note: master on disk]), read every step
+        assert (stats["master_in_memory"] == 0) == mixed
+        # the memory report's optimizer term: the tier's buffers (estimate) and the 0-dim scalars
+        assert stats["optimizer_estimated"] == stats["buffer_bytes"]
+        assert 0 <= stats["optimizer_measured"] - stats["buffer_bytes"] <= 4 * stats["pieces"]
+
     if name == "stage1-fp16":  # the overflowing steps were skipped with the state untouched
         assert any(off_results[0]["skipped"]) and not all(off_results[0]["skipped"])
     assert os.listdir(folder) == []  # every engine removed its scratch folder when it closed

@@ -1,7 +1,8 @@
 """The disk tier's optimizer step ([Note: disk offload] in zeroray/offload/stepper.py) against the
 same ShardedOptimizer in memory: bitwise equal parameters and state, for Adam, AdamW (fused and
 not), SGD with momentum, chunks smaller than a segment, parameters left unused, and a state
-export -> import round trip. The files are real files in a temporary directory."""
+export -> import round trip; the fp32 master on disk too (mixed precision), cast into the
+parameter memory chunk by chunk. The files are real files in a temporary directory."""
 import os
 import subprocess
 
@@ -10,6 +11,8 @@ import torch
 
 import zeroray as zr
 from zeroray.engine.optim import DiskOffload, Segment, ShardedOptimizer
+from zeroray.layout.local_shard import LocalShard
+from zeroray.offload.master import DiskMaster
 from zeroray.offload.tier import OffloadError, StateFiles
 
 N = 300
@@ -146,3 +149,70 @@ def test_a_full_device_is_reported_as_full(tmp_path):
         files.write_now("exp_avg", 0, torch.ones(4))
     files.close()
     assert os.path.exists("/dev/full")
+
+
+def _master_on_disk(spec, folder, chunk_bytes=512, dtype=torch.bfloat16):
+    """The optimizer with its fp32 master in the files too ([Note: master on disk]), its updates
+    cast into a parameter memory of two pieces (as the arena's rows at stages 1-2), broken inside
+    the first segment, so that some chunks are cast into both."""
+    params = [torch.empty(100, dtype=dtype), torch.empty(N - 100, dtype=dtype)]
+    target = LocalShard([(0, params[0]), (100, params[1])])
+    initial = torch.linspace(-1, 1, N)
+    target.copy_(initial)
+    master = DiskMaster(initial, target)
+    opt = ShardedOptimizer(spec, master, torch.zeros(N), SEGMENTS, 1.0, None, param_spans=SPANS,
+                           offload=DiskOffload(str(folder), 0, chunk_bytes))
+    return opt, master, target
+
+
+@pytest.mark.parametrize("name", ["adamw_fused", "adam_foreach", "sgd_momentum"])
+@pytest.mark.parametrize("chunk_bytes", [512, 8192])  # 64 elements per chunk, or whole segments
+def test_master_on_disk_equals_master_in_memory(tmp_path, name, chunk_bytes):
+    """Master, state and the cast parameters bitwise those of the in-memory optimizer followed
+    by a publish (the whole master cast), with unused parameters; memory holds no master."""
+    unused = [(), ("b",), (), ("d", "e"), ()]
+    ref = _optimizer(SPECS[name])
+    off, master, target = _master_on_disk(SPECS[name], tmp_path, chunk_bytes)
+    assert master.tensors() == [] and os.listdir(tmp_path) == []
+    assert "master" in off.disk.files.keys
+    _run(ref, 5, unused)
+    _run(off, 5, unused)
+    assert torch.equal(master.cpu(), ref.master)
+    assert torch.equal(target.cpu(), ref.master.to(torch.bfloat16))
+    for pname, (lo, hi) in SPANS.items():
+        assert torch.equal(master.read(lo, hi), ref.master[lo:hi])
+    held = sum(t.numel() for t in off.state_tensors())  # the slots (3 files) and the scalars
+    assert held <= 3 * 3 * off.disk.chunk_elems + len(off.pieces.pieces)
+    stats = off.offload_stats()
+    assert stats["bytes_read"] > 0 and stats["bytes_written"] > 0
+    off.close()
+
+
+def test_master_on_disk_export_import(tmp_path):
+    """An export reads the master from its file; an import writes it there and casts it into
+    the parameters, and the run continues exactly as the in-memory one."""
+    ref = _optimizer(SPECS["adamw_fused"])
+    off, master, target = _master_on_disk(SPECS["adamw_fused"], tmp_path)
+    _run(ref, 3, [(), ("c",)])
+    _run(off, 3, [(), ("c",)])
+    (rt, rs), (ot, os_) = ref.export_state(), off.export_state()
+    assert all(torch.equal(rt[k], ot[k]) for k in rt) and rs == os_
+    fresh, fmaster, ftarget = _master_on_disk(SPECS["adamw_fused"], tmp_path)
+    fmaster.copy_(ref.master)
+    fresh.import_state(ot, os_)
+    assert torch.equal(ftarget.cpu(), ref.master.to(torch.bfloat16))
+    _run(ref, 2)
+    _run(fresh, 2)
+    assert torch.equal(fmaster.cpu(), ref.master)
+    assert torch.equal(ftarget.cpu(), ref.master.to(torch.bfloat16))
+    for opt in (off, fresh):
+        opt.close()
+
+
+def test_a_master_on_disk_refuses_writes_into_its_pieces(tmp_path):
+    """The flat pieces of a master on disk hold no values: a write into one fails loudly."""
+    off, _, _ = _master_on_disk(SPECS["adamw_fused"], tmp_path)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        with torch.no_grad():
+            off.pieces.pieces[0].param.add_(1.0)
+    off.close()

@@ -79,8 +79,10 @@ class Engine:
         self.precision.cast()
         self._restore_precision = self.precision.wrap()  # before checkpointing wraps: restored after it
         self.waiter = Waiter(group.blocking_waits)
+        offload = self._offload(zero)
         self.storage = build_storage(policy, self.layout, named, kept, group, dtype=self.dtype, device=self.device,
-                                     bucket_bytes=zero.base_bucket_bytes, wait=self.waiter)
+                                     bucket_bytes=zero.base_bucket_bytes, wait=self.waiter,
+                                     master_on_disk=offload is not None)
         s = self.storage
         self.units, self.master, self.grad, self.param_shard, self.gatherer = \
             s.units, s.master, s.grad, s.param_shard, s.gatherer
@@ -94,7 +96,7 @@ class Engine:
         segments = build_segments(local_spans(s.param_spans(), named, param_groups), self.master.numel(),
                                   breaks=self.master.breaks())
         self.optimizer = ShardedOptimizer(optimizer, self.master, self.grad, segments, zero.max_grad_norm, scheduler,
-                                          param_spans=s.param_spans(), offload=self._offload(zero))
+                                          param_spans=s.param_spans(), offload=offload)
         self.bucket_learning = BucketLearning(self.reducer, zero)
         self.grads = GradIntake(named, self.layout, self.units, self.reducer, self.coordinator)
         self.activations, self._restore_forwards = track_activations(
@@ -105,7 +107,8 @@ class Engine:
                                   zero.min_loss_scale) if zero.dtype == "fp16" else None)
 
     def _offload(self, zero: ZeroConfig) -> Optional[DiskOffload]:
-        """Where offload="disk" puts the optimizer state ([Note: disk offload] in offload/stepper.py)."""
+        """Where offload="disk" puts the optimizer state, and in mixed precision the fp32 master
+        ([Note: disk offload] in offload/stepper.py, [Note: master on disk] in offload/master.py)."""
         if zero.offload is None:
             return None
         if self.device.type != "cpu":

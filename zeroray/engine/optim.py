@@ -27,6 +27,7 @@ import torch
 
 from zeroray.engine.flat_pieces import FlatPieces
 from zeroray.layout.local_shard import LocalShard
+from zeroray.offload.master import DiskMaster
 from zeroray.offload.stepper import DiskStepper, make_stepper
 
 
@@ -138,7 +139,7 @@ class ShardedOptimizer:
     local [start, end) of each parameter this rank holds, by name, so that a parameter no rank
     used in a step can be skipped ([Note: unused parameters] in engine/flat_pieces.py)."""
 
-    def __init__(self, spec: Any, master: Union[torch.Tensor, LocalShard], grad: torch.Tensor,
+    def __init__(self, spec: Any, master: Union[torch.Tensor, LocalShard, DiskMaster], grad: torch.Tensor,
                  segments: List[Segment], max_grad_norm: Optional[float],
                  scheduler_fn: Optional[Callable[[Any], Any]] = None,
                  param_spans: Optional[Mapping[str, Tuple[int, int]]] = None,
@@ -160,9 +161,15 @@ class ShardedOptimizer:
         self.scheduler = scheduler_fn(self.inner) if scheduler_fn is not None else None
         # the per-element state's home between steps when offloaded; None: inner.state (memory)
         self.disk: Optional[DiskStepper] = None
+        on_disk = isinstance(master, DiskMaster)
+        if on_disk and offload is None:
+            raise ValueError("a master on disk (DiskMaster) needs the disk tier: pass offload=DiskOffload(...)")
         if offload is not None:
             self.disk = make_stepper(self.builder, [dict(seg.overrides) for seg in segments], offload.folder,
-                                        offload.rank, master.numel(), offload.chunk_bytes)
+                                     offload.rank, master.numel(), offload.chunk_bytes,
+                                     target=master.target if on_disk else None)
+            if on_disk:
+                master.attach(self.disk)  # the initial values move into the master file
 
     @property
     def flat_params(self) -> List[torch.nn.Parameter]:

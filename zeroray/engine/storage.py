@@ -31,6 +31,10 @@ the stage:
 - ``ShardedStorage`` (stages 1-3): master and gradient in this rank's shard coordinates, the
   checkpoint's own; the parameter shard is the arena's rows (stages 1-2, whose publish then
   gathers the units from them) or a shard of its own (stage 3, gathered on demand).
+
+With ``offload="disk"`` in mixed precision the master is a ``DiskMaster`` (offload/master.py):
+its values live in the disk tier's files, the optimizer step casts each updated chunk into the
+parameter memory itself, and the publish casts nothing ([Note: master on disk]).
 """
 from __future__ import annotations
 
@@ -46,6 +50,9 @@ from zeroray.layout.arena import FlatLayout
 from zeroray.layout.local_shard import LocalShard
 from zeroray.layout.stage import StagePolicy
 from zeroray.memory.process import MappedBlocks
+from zeroray.offload.master import DiskMaster
+
+Master = Union[LocalShard, DiskMaster]  # in memory, or in the disk tier's files ([Note: master on disk])
 
 
 class ReplicatedStorage:
@@ -54,11 +61,14 @@ class ReplicatedStorage:
     param_shard: Optional[LocalShard] = None
     gatherer: Optional[UnitGatherer] = None
 
-    def __init__(self, layout: FlatLayout, units: Units, rank: int) -> None:
+    def __init__(self, layout: FlatLayout, units: Units, rank: int, master_on_disk: bool = False) -> None:
         self.layout, self.units, self.rank = layout, units, rank
         arena = units.arena
-        self.cast = arena.dtype != torch.float32  # the master is a copy: publishing casts it back
-        self.master = LocalShard.contiguous(arena.float() if self.cast else arena)                  # 1D full fp32
+        copy = arena.dtype != torch.float32  # the master is a copy of its own
+        self.master: Master = (DiskMaster(arena.float(), LocalShard.contiguous(arena)) if copy and master_on_disk
+                               else LocalShard.contiguous(arena.float() if copy else arena))  # 1D full fp32
+        # publishing casts the master into the arena; on disk the step has cast each chunk already
+        self.cast = copy and not master_on_disk
         self.grad = torch.zeros(layout.full_numel, dtype=torch.float32, device=arena.device)  # 1D full
         # Every rank holds the same full reduced gradient: only rank 0 counts it in the global norm.
         self.counts_norm = rank == 0
@@ -77,11 +87,11 @@ class ReplicatedStorage:
         if self.rank != 0:
             return 0, 0, torch.empty(0)
         start, numel = self._full_start(name), self.layout.slots[name].numel
-        return 0, numel, self.master[start:start + numel].detach().cpu().clone()
+        return 0, numel, self.master.read(start, start + numel).detach().cpu().clone()
 
     def master_shard(self) -> torch.Tensor:
         """The fp32 master in this rank's shard coordinates (on the CPU)."""
-        return self.to_shard(self.master.as_tensor().detach())
+        return self.to_shard(self.master.read(0, self.master.numel()).detach())
 
     def to_shard(self, full: torch.Tensor) -> torch.Tensor:
         """A full-size tensor cut to this rank's shard coordinates, those of every checkpoint."""
@@ -128,11 +138,13 @@ class ShardedStorage:
 
     counts_norm = True  # each rank's gradient shard is its own part of the norm
 
-    def __init__(self, layout: FlatLayout, units: Units, rank: int, master: LocalShard, param_shard: LocalShard,
+    def __init__(self, layout: FlatLayout, units: Units, rank: int, master: Master, param_shard: LocalShard,
                  gatherer: UnitGatherer, *, publish_gathers: bool) -> None:
         self.layout, self.units, self.rank = layout, units, rank
         self.master, self.param_shard, self.gatherer = master, param_shard, gatherer
-        self.cast = param_shard is not master  # mixed precision: the parameter shard is a cast copy
+        # mixed precision: the parameter shard is a cast copy, cast by the publish (by the step
+        # itself, chunk by chunk, when the master is on disk)
+        self.cast = param_shard is not master and not isinstance(master, DiskMaster)
         self.publish_gathers = publish_gathers
         self.grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=master.device)  # 1D shard
 
@@ -147,8 +159,8 @@ class ShardedStorage:
 
     def master_piece(self, name: str) -> Tuple[int, int, torch.Tensor]:
         """(lo, hi, fp32 values) of parameter ``name``'s flat elements held by this rank."""
-        piece, lo, hi = self.layout.param_shard_view(self.master, name, self.rank)
-        return lo, hi, piece.detach().cpu().clone()
+        start, lo, hi = self.layout.param_shard_range(name, self.rank)
+        return lo, hi, self.master.read(start, start + hi - lo).detach().cpu().clone()
 
     def master_shard(self) -> torch.Tensor:
         """The fp32 master in this rank's shard coordinates (on the CPU)."""
@@ -181,11 +193,13 @@ Storage = Union[ReplicatedStorage, ShardedStorage]  # the two families; build_st
 
 def build_storage(policy: StagePolicy, layout: FlatLayout, named: Dict[str, torch.nn.Parameter], kept: Kept,
                   group: Group, *, dtype: torch.dtype, device: torch.device, bucket_bytes: int,
-                  wait: Callable) -> Storage:
+                  wait: Callable, master_on_disk: bool = False) -> Storage:
     """The units (the model's parameters bound to their buffers) and the storage of ``policy``'s
     family; every tensor the step needs that the optimizer does not allocate itself. ``kept``:
     the slices a sharded build kept (construct/sharded_init.py), else None. ``wait``: the
-    engine's polling waiter, for the gatherer."""
+    engine's polling waiter, for the gatherer. ``master_on_disk``: offload="disk", which puts a
+    master that is a copy (mixed precision) in the disk tier ([Note: master on disk] in
+    offload/master.py; the optimizer attaches it to its files)."""
     fp32, rank = dtype == torch.float32, group.rank
     # The fp32 initial values of the rank's shard, taken before bind rebinds the parameters:
     # the master of stage 3 and of mixed precision at stages 1-2. fp32 stages 0-2 need none,
@@ -198,13 +212,15 @@ def build_storage(policy: StagePolicy, layout: FlatLayout, named: Dict[str, torc
     units = Units(layout, dtype, device, persistent=not policy.reshard_after_use, mapped=mapped)
     units.bind(named, copy_values=kept is None)
     if not policy.keeps_param_shard:
-        return ReplicatedStorage(layout, units, rank)
+        return ReplicatedStorage(layout, units, rank, master_on_disk)
     if not policy.reshard_after_use:  # stages 1-2: the shard is the arena's rows
         param_shard = LocalShard.arena_rows(layout, units.arena, rank)
         master = param_shard if fp32 else LocalShard.contiguous(init)
     else:  # stage 3: a shard of its own
         master = LocalShard.contiguous(init)
         param_shard = master if fp32 else LocalShard.contiguous(init.to(dtype))
+    if not fp32 and master_on_disk:
+        master = DiskMaster(init, param_shard)
     gatherer = UnitGatherer(layout, group, param_shard, bucket_bytes, wait=wait)
     return ShardedStorage(layout, units, rank, master, param_shard, gatherer,
                           publish_gathers=not policy.reshard_after_use)

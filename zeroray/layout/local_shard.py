@@ -14,7 +14,7 @@ all-gather whose input is a view of its own output row, which moves nothing loca
 Code that works on a range of the shard asks for a view (``shard[a:b]``), which must lie in
 one piece (a unit's slice, or any range of a contiguous shard); the flat optimizer's segments
 are cut at the piece boundaries for that ([Note: flat optimizer] in engine/optim.py). ``read``
-copies a range that spans pieces; ``copy_`` and ``clone`` move whole shards.
+copies a range that spans pieces, ``write`` copies one in; ``copy_`` and ``clone`` move whole shards.
 """
 from __future__ import annotations
 
@@ -108,6 +108,18 @@ class LocalShard:
                 break
             parts.append(piece[max(a - s, 0):min(b - s, piece.numel())])
         return torch.cat(parts)
+
+    def write(self, a: int, src: torch.Tensor) -> None:
+        """Copy the 1D ``src`` over elements ``[a, a + src.numel())``, across pieces if it spans
+        them (cast to the shard's dtype element by element, as ``copy_`` casts)."""
+        b = a + src.numel()
+        with torch.no_grad():
+            for start, t in self.pieces[max(bisect.bisect_right(self.starts, a) - 1, 0):]:
+                if start >= b:
+                    break
+                lo, hi = max(a, start), min(b, start + t.numel())
+                if hi > lo:
+                    t[lo - start:hi - start].copy_(src[lo - a:hi - a])
 
     def copy_(self, src: Union["LocalShard", torch.Tensor]) -> "LocalShard":
         """Copy a whole shard in (a 1D tensor in shard coordinates, or another LocalShard)."""

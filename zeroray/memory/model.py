@@ -139,27 +139,77 @@ def model_state_bytes(num_params: Union[int, float], num_workers: int, stage: in
 
 
 def held_state_bytes(num_params: Union[int, float], num_workers: int, stage: int, dtype: str = "fp16",
-                     optimizer: OptimizerLike = "adam", padded_numel: Optional[int] = None) -> ModelStateBytes:
+                     optimizer: OptimizerLike = "adam", padded_numel: Optional[int] = None,
+                     offload_chunk_bytes: Optional[int] = None) -> ModelStateBytes:
     """The model states zeroray's engine holds, where it departs from the paper's formula
     ([Note: stage data flow] in engine/storage.py): the reduced gradient is fp32 in every dtype
     (the fp32 master's gradient; the paper keeps a 16-bit one), and stage 1 reduce-scatters out
     of the buckets as stage 2 does, so it holds the gradient shard, not the full gradient. The
-    memory report and the planner's footprint both count this."""
+    memory report and the planner's footprint both count this.
+
+    ``offload_chunk_bytes``: with ``offload="disk"`` (its ``offload_chunk_bytes``), the optimizer
+    term is what stays in memory, the disk tier's buffers (:func:`offload_buffer_bytes`): the
+    per-element state and, in mixed precision, the fp32 master live in files ([Note: disk
+    offload] in offload/stepper.py). In fp32 the master is the parameters, counted under params."""
     def states(s: int) -> ModelStateBytes:
         return model_state_bytes(num_params, num_workers, s, dtype, optimizer, grad_dtype="fp32",
                                  padded_numel=padded_numel)
 
     held = states(stage)
-    return ModelStateBytes(held.params, states(2).grads if stage == 1 else held.grads, held.optimizer)
+    optimizer_term = held.optimizer
+    if offload_chunk_bytes is not None:
+        shard = held.optimizer // max(optimizer_state_bytes_per_param(optimizer, dtype), 1)
+        optimizer_term = offload_buffer_bytes(shard, dtype, optimizer, offload_chunk_bytes)
+    return ModelStateBytes(held.params, states(2).grads if stage == 1 else held.grads, optimizer_term)
+
+
+OFFLOAD_SLOTS = 3  # the disk tier's chunks in memory: one stepping, one being read, one being written
+OFFLOAD_ALIGN = 64  # elements: a multiple of every CPU vector width (AVX-512 fp32: 16), unrolled 4x
+
+
+def offload_chunk_elements(chunk_bytes: int, num_files: int, numel: int) -> int:
+    """Elements per chunk of the disk tier ([Note: disk offload] in offload/stepper.py) over
+    ``numel`` elements in ``num_files`` fp32 files, so that one slot (a chunk of each file) holds
+    ``chunk_bytes``, a multiple of ``OFFLOAD_ALIGN``: vectorised kernels (fused AdamW on the CPU)
+    run whole vectors and then a scalar tail, whose arithmetic may differ in the last bit; with
+    chunks of whole vectors every element takes the same path as in one step of the whole piece,
+    so the result is bitwise the same. Never more than ``numel`` (at least 1)."""
+    per_file = chunk_bytes // (4 * max(1, num_files))
+    return max(1, min(max(OFFLOAD_ALIGN, per_file // OFFLOAD_ALIGN * OFFLOAD_ALIGN), numel or 1))
+
+
+def offload_files(dtype: str, optimizer: OptimizerLike) -> int:
+    """The disk tier's files per worker: one per fp32 state value per element, and the fp32
+    master in mixed precision (in fp32 the master is the parameters themselves, in memory)."""
+    return _state_floats(optimizer) + (0 if _dtype_bytes("dtype", dtype) == 4 else 1)
+
+
+def offload_buffer_bytes(shard_numel: int, dtype: str, optimizer: OptimizerLike, chunk_bytes: int) -> int:
+    """Bytes of the disk tier's buffers in a worker's memory: ``OFFLOAD_SLOTS`` chunks of every
+    file (none when there are no files: plain SGD in fp32)."""
+    files = offload_files(dtype, optimizer)
+    if not files:
+        return 0
+    return OFFLOAD_SLOTS * files * 4 * offload_chunk_elements(chunk_bytes, files, shard_numel)
 
 
 def estimate_memory(num_params: Union[int, float], num_workers: int, stage: int,
                     dtype: str = "fp16", optimizer: OptimizerLike = "adam",
-                    grad_dtype: Optional[str] = None, snapshot: bool = False) -> int:
+                    grad_dtype: Optional[str] = None, snapshot: bool = False,
+                    offload: Optional[str] = None, offload_chunk_bytes: int = 16 * 2**20) -> int:
     """Total bytes of model states per worker (paper Figure 1: 7.5e9 params, 64 workers,
     fp16, Adam -> 120e9, 31.4e9, 16.6e9, 1.9e9 bytes for stages 0-3). ``snapshot``: plus one
-    in-memory snapshot per worker (``FailureConfig(snapshot_every)``, :func:`snapshot_bytes`)."""
-    total = model_state_bytes(num_params, num_workers, stage, dtype, optimizer, grad_dtype).total
+    in-memory snapshot per worker (``FailureConfig(snapshot_every)``, :func:`snapshot_bytes`).
+    ``offload="disk"``: the optimizer term (K: the state and, in mixed precision, the fp32
+    master) is in files; memory holds the disk tier's buffers, :func:`offload_buffer_bytes` of
+    ``offload_chunk_bytes`` chunks, instead."""
+    if offload not in (None, "disk"):
+        raise ValueError(f"offload={offload!r} is invalid: choose None (the optimizer state in memory) or 'disk'")
+    held = model_state_bytes(num_params, num_workers, stage, dtype, optimizer, grad_dtype)
+    total = held.total
+    if offload == "disk":
+        shard = held.optimizer // max(optimizer_state_bytes_per_param(optimizer, dtype), 1)
+        total += offload_buffer_bytes(shard, dtype, optimizer, offload_chunk_bytes) - held.optimizer
     return total + (snapshot_bytes(num_params, num_workers, optimizer) if snapshot else 0)
 
 

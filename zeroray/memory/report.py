@@ -129,6 +129,9 @@ def _optimizer_for_estimate(engine) -> Any:
         memory.optimizer_state_bytes_per_param(engine.optimizer_spec, engine.zero.dtype)
         return engine.optimizer_spec
     except ValueError:
+        disk = engine.optimizer.disk
+        if disk is not None:  # offload="disk": the state is in the files, one per value per element
+            return len(disk.keys)
         state = sum(_storages(engine.optimizer.state_tensors()).values())
         return state // max(4 * engine.master.numel(), 1)
 
@@ -145,6 +148,9 @@ def expected_model_state(engine) -> Dict[str, int]:
     - stage 1 reduce-scatters gradients out of the buckets as backward produces them, as stage 2
       does, so it holds the gradient *shard*, not the paper's full gradient (with
       ``grad_accum_steps > 1`` autograd holds full local gradients between micro-batches).
+    - ``offload="disk"``: the optimizer state, and in mixed precision the fp32 master, are in
+      files; the optimizer term is the three chunks of every file the disk tier holds in memory
+      (the measured term adds the 0-dim scalars, Adam's ``step``, a few bytes per flat piece).
     Stages 1-2 hold no parameter shard of their own: the all-gather source, and in fp32 the
     master, is the rank's rows of the parameter arena ([Note: local shard] in layout/local_shard.py),
     so their parameter term is the paper's. (Until that change they kept a separate shard in
@@ -157,7 +163,10 @@ def expected_model_state(engine) -> Dict[str, int]:
     padded = layout.full_numel
     optimizer = _optimizer_for_estimate(engine)
 
-    held = memory.held_state_bytes(padded, W, zero.stage, zero.dtype, optimizer, padded_numel=padded)
+    # offload="disk": the optimizer term is the disk tier's buffers ([Note: disk offload])
+    chunk = zero.offload_chunk_bytes if zero.offload == "disk" else None
+    held = memory.held_state_bytes(padded, W, zero.stage, zero.dtype, optimizer, padded_numel=padded,
+                                   offload_chunk_bytes=chunk)
     return {"params": held.params, "grads": held.grads, "optimizer": held.optimizer, "total": held.total}
 
 

@@ -7,7 +7,10 @@ parameter) lives in the tier's files (offload/tier.py) between steps, addressed 
 in the rank's flat master. ``inner.state`` keeps only what is not per element (Adam's 0-dim
 ``step``), so everything that reads or changes it, the splitting of pieces for parameters no
 rank used ([Note: unused parameters] in engine/flat_pieces.py) among them, runs unchanged.
-The fp32 master, the gradient, clipping and loss scaling stay where they were.
+In mixed precision the fp32 master is in the files too, one more file (``MASTER``), read and
+written with the state, and each stepped chunk is cast into the parameter memory (``target``):
+[Note: master on disk] in offload/master.py. In fp32 the master is the parameters and stays in
+memory. The gradient, clipping and loss scaling stay where they were.
 
 A step walks the pieces the optimizer would step (those with a gradient) in order, cut into
 chunks of at most ``chunk_elems`` elements, through three slots of buffers, one tensor per
@@ -15,14 +18,15 @@ state key each: while chunk ``i`` steps, chunk ``i + 1``'s state is being read i
 slot and chunk ``i - 1``'s written back from the one before (the slot chunk ``i + 2`` reuses is
 free once that write ends). So memory holds three chunks of state, never all of it. Chunk
 ``i`` steps as the user's optimizer steps anything: a flat parameter viewing the chunk of the
-master (its gradient a view of the gradient) takes the piece's place in its param group, with
+master (in memory, or the slot's master buffer when the master is on disk; its gradient a view
+of the gradient) takes the piece's place in its param group, with
 the slot's tensors and a copy of the piece's scalar state as its state, and the other pieces
 have no gradient for the moment, so ``inner.step()`` updates exactly the chunk and the
 buffers, in place. Adam, AdamW and SGD are elementwise, so every chunk of a piece, starting
 from the same ``step``, computes what one step of the whole piece would, element for element;
 the piece's scalar state afterwards is the chunk's (all chunks agree). A piece with no state
-yet (never stepped: torch makes state lazily) reads nothing and lets torch make the chunk's
-state, which is then written like the rest. An optimizer whose state is not per element
+yet (never stepped: torch makes state lazily) reads no state (only its master, when that is
+on disk) and lets torch make the chunk's state, which is then written like the rest. An optimizer whose state is not per element
 (shaped otherwise than its parameter) is refused: chunks would change what it computes.
 
 Across steps the I/O runs behind the model's compute too: the engine calls ``prefetch`` when
@@ -46,7 +50,7 @@ workers' steps were applied: continue from the last checkpoint (``zr.Trainer.res
 holds the truth (the files are scratch). The runtime does not yet do that by itself: it reports
 the error as the worker's own, like any error in user code.
 Checkpoints read the files into the flat tensors they export, and an import writes them back
-(``loaded``, ``spill``).
+(``loaded``, ``spill``; the master: ``read_master``, ``write_master``).
 """
 from __future__ import annotations
 
@@ -58,10 +62,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
+from zeroray.layout.local_shard import LocalShard
+from zeroray.memory.model import OFFLOAD_SLOTS as SLOTS, offload_chunk_elements
 from zeroray.offload.tier import ELEMENT_BYTES, StateFiles
 
-SLOTS = 3  # one chunk stepping, one being read, one being written
-ALIGN = 64  # elements: a multiple of every CPU vector width (AVX-512 fp32: 16), unrolled 4x
+MASTER = "master"  # the file of the fp32 master, when it is on disk too ([Note: master on disk] in offload/master.py)
 
 
 def element_keys(builder: Callable[[List[dict]], torch.optim.Optimizer], overrides: Sequence[Dict[str, Any]]
@@ -76,6 +81,9 @@ def element_keys(builder: Callable[[List[dict]], torch.optim.Optimizer], overrid
         optimizer.step()
         for k, v in optimizer.state.get(probe, {}).items():
             if isinstance(v, torch.Tensor) and v.shape == probe.shape:
+                if k == MASTER:
+                    raise ValueError(f"the optimizer keeps a state tensor named {MASTER!r}, the name of the disk "
+                                     "tier's fp32 master file: rename it, or use offload=None")
                 keys[k] = None
             elif isinstance(v, torch.Tensor) and v.dim() > 0:
                 raise ValueError(f"the optimizer keeps state {k!r} of shape {tuple(v.shape)} for a parameter of "
@@ -87,12 +95,18 @@ def element_keys(builder: Callable[[List[dict]], torch.optim.Optimizer], overrid
 
 class DiskStepper:
     """Steps an inner torch optimizer over flat pieces whose per-element state lives in
-    ``files``, ``chunk_elems`` elements at a time; see [Note: disk offload]."""
+    ``files``, ``chunk_elems`` elements at a time; see [Note: disk offload]. ``target``: when the
+    files hold the fp32 master too (a ``MASTER`` file), the parameter memory each stepped chunk
+    of it is cast into ([Note: master on disk] in offload/master.py); None: the master is the
+    pieces' own memory."""
 
-    def __init__(self, files: StateFiles, chunk_elems: int) -> None:
-        self.files, self.keys = files, list(files.keys)
+    def __init__(self, files: StateFiles, chunk_elems: int, target: Optional[LocalShard] = None) -> None:
+        self.files, self.keys = files, [k for k in files.keys if k != MASTER]
+        if (target is not None) != (MASTER in files.keys):
+            raise ValueError("a disk stepper with the master on disk needs both a master file and a target")
+        self.target = target
         self.chunk_elems = max(1, min(chunk_elems, files.numel or 1))
-        self.slots = [{k: torch.empty(self.chunk_elems, dtype=torch.float32) for k in self.keys}
+        self.slots = [{k: torch.empty(self.chunk_elems, dtype=torch.float32) for k in files.keys}
                       for _ in range(SLOTS)]
         self.steps, self.wait_seconds, self.step_seconds = 0, 0.0, 0.0
         # The master ranges whose state is in the files, [start, end) merged: a piece has state
@@ -122,11 +136,13 @@ class DiskStepper:
         return [(pc, a, min(a + self.chunk_elems, pc.end)) for pc in pieces if pc.param.grad is not None
                 for a in range(pc.start, pc.end, self.chunk_elems)]
 
-    def _read(self, i: int, pc: Any, a: int, b: int) -> List[Future]:
-        """Start reading chunk ``i`` = master [a, b) of piece ``pc`` into its slot (after the
-        writes still pending from the last step, which may cover the same range)."""
+    def _read(self, i: int, a: int, b: int, stateful: bool) -> List[Future]:
+        """Start reading chunk ``i`` = master [a, b) into its slot: its state when it has some
+        (``stateful``), its master when that is on disk (after the writes still pending from the
+        last step, which may cover the same range)."""
         slot = self.slots[i % SLOTS]
-        return [self.files.read(k, a, slot[k][:b - a], after=self.pending) for k in self.keys]
+        keys = (self.keys if stateful else []) + ([MASTER] if self.target is not None else [])
+        return [self.files.read(k, a, slot[k][:b - a], after=self.pending) for k in keys]
 
     def prefetch(self, pieces: Sequence[Any]) -> None:
         """Start reading the first chunks of the next step into their slots, so that the reads
@@ -134,8 +150,8 @@ class DiskStepper:
         (no piece split, none skipped), and reads again otherwise."""
         self._drop_prefetch()
         for i, (pc, a, b) in enumerate(self._plan(pieces)[:SLOTS - 1]):
-            if self.holds(pc):
-                self.prefetched[i] = ((pc.param, a, b), self._read(i, pc, a, b))
+            if self.holds(pc) or self.target is not None:
+                self.prefetched[i] = ((pc.param, a, b), self._read(i, a, b, self.holds(pc)))
 
     def _drop_prefetch(self) -> None:
         for _, futures in self.prefetched.values():
@@ -168,10 +184,10 @@ class DiskStepper:
             ahead = prefetched.pop(i, None)
             if ahead is not None and ahead[0][0] is pc.param and ahead[0][1:] == (a, b):
                 reads[i] = ahead[1]
-            elif stateful[id(pc.param)]:
+            elif stateful[id(pc.param)] or self.target is not None:
                 if ahead is not None:
                     self._wait(ahead[1])  # read for other chunks: let it end before the slot is reused
-                reads[i] = self._read(i, pc, a, b)
+                reads[i] = self._read(i, a, b, stateful[id(pc.param)])
 
         for pc in active:
             pc.param.grad = None
@@ -182,9 +198,14 @@ class DiskStepper:
                 self._wait(futures)
             for i, (pc, a, b) in enumerate(chunks):
                 self._wait(reads[i])
+                slot = self.slots[i % SLOTS]
                 state = self._step_chunk(inner, group_of[id(pc.param)], pc, a, b, grads[id(pc.param)],
-                                         self.slots[i % SLOTS] if stateful[id(pc.param)] else None)
+                                         slot, stateful[id(pc.param)])
                 writes[i] = [self.files.write(k, a, state.pop(k)) for k in self.keys if k in state]
+                if self.target is not None:
+                    with torch.no_grad():  # the update, into the memory compute reads (cast as a publish casts)
+                        self.target.write(a, slot[MASTER][:b - a])
+                    writes[i].append(self.files.write(MASTER, a, slot[MASTER][:b - a]))
                 if b == pc.end:
                     inner.state[pc.param] = state  # the scalars: every chunk of the piece agrees
                     self._mark(pc.start, pc.end)
@@ -207,13 +228,15 @@ class DiskStepper:
         self.step_seconds += time.perf_counter() - t0
 
     def _step_chunk(self, inner: torch.optim.Optimizer, group: dict, pc: Any, a: int, b: int,
-                    grad: torch.Tensor, slot: Optional[Dict[str, torch.Tensor]]) -> Dict[str, Any]:
-        """Step master [a, b) of piece ``pc`` alone; its state afterwards (per-element tensors
-        under their keys, possibly the slot's own, and the scalars)."""
+                    grad: torch.Tensor, slot: Dict[str, torch.Tensor], stateful: bool) -> Dict[str, Any]:
+        """Step master [a, b) of piece ``pc`` alone (in the slot when the master is on disk, else
+        in the piece's memory), with the slot's state when it has some (``stateful``); its state
+        afterwards (per-element tensors under their keys, possibly the slot's own, and the scalars)."""
         lo, hi = a - pc.start, b - pc.start
-        chunk = torch.nn.Parameter(pc.param.detach()[lo:hi])
+        values = slot[MASTER][:hi - lo] if self.target is not None else pc.param.detach()[lo:hi]
+        chunk = torch.nn.Parameter(values)
         chunk.grad = grad[lo:hi]
-        if slot is not None:
+        if stateful:
             held = inner.state.get(pc.param) or {}
             state = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in held.items()}
             state.update({k: slot[k][:hi - lo] for k in self.keys})
@@ -280,6 +303,18 @@ class DiskStepper:
                 if k in state:
                     self.files.write_now(k, pc.start, state.pop(k))
 
+    # --- the master, when it is on disk ([Note: master on disk] in offload/master.py) ------------
+
+    def read_master(self, start: int, end: int) -> torch.Tensor:
+        """Master elements [start, end), read from its file once every write in flight ended."""
+        self.drain()
+        return self.files.read_now(MASTER, start, end)
+
+    def write_master(self, start: int, src: torch.Tensor) -> None:
+        """Write ``src`` over the master from element ``start`` (an import, the initial values)."""
+        self.drain()
+        self.files.write_now(MASTER, start, src)
+
     def buffers(self) -> List[torch.Tensor]:
         """The slots' tensors: the memory the tier holds."""
         return [t for slot in self.slots for t in slot.values()]
@@ -299,20 +334,15 @@ class DiskStepper:
             self.files.close()
 
 
-def chunk_elements(chunk_bytes: int, keys: Sequence[str]) -> int:
-    """Elements per chunk so that one slot (a tensor per key) holds ``chunk_bytes``, a multiple of
-    ``ALIGN``: vectorised kernels (fused AdamW on the CPU) run whole vectors and then a scalar
-    tail, whose arithmetic may differ in the last bit; with chunks of whole vectors every element
-    takes the same path as in one step of the whole piece, so the result is bitwise the same."""
-    per_key = chunk_bytes // (ELEMENT_BYTES * max(1, len(keys)))
-    return max(ALIGN, per_key // ALIGN * ALIGN)
-
-
 def make_stepper(builder: Callable[[List[dict]], torch.optim.Optimizer], overrides: Sequence[Dict[str, Any]],
-                 folder: Optional[str], rank: int, numel: int, chunk_bytes: int) -> Optional[DiskStepper]:
-    """The disk stepper for an optimizer ``builder`` over param groups with ``overrides``; None when
-    the optimizer keeps no per-element state (plain SGD): nothing to move."""
-    keys = element_keys(builder, overrides)
+                 folder: Optional[str], rank: int, numel: int, chunk_bytes: int,
+                 target: Optional[LocalShard] = None) -> Optional[DiskStepper]:
+    """The disk stepper for an optimizer ``builder`` over param groups with ``overrides``, with
+    the master on disk too when ``target`` is given (the parameter memory its updates are cast
+    into); None when there is nothing to move (plain SGD, the master in memory). Chunks hold
+    ``chunk_bytes`` over all the files (memory/model.py's ``offload_chunk_elements``)."""
+    keys = element_keys(builder, overrides) + ([MASTER] if target is not None else [])
     if not keys:
         return None
-    return DiskStepper(StateFiles(folder, rank, numel, keys), chunk_elements(chunk_bytes, keys))
+    files = StateFiles(folder, rank, numel, keys)
+    return DiskStepper(files, offload_chunk_elements(chunk_bytes, len(keys), numel), target)

@@ -1,7 +1,9 @@
-"""The disk tier: one scratch file per optimizer state tensor, read and written by a thread pool.
+"""The disk tier: one scratch file per optimizer state tensor (and the fp32 master in mixed
+precision), read and written by a thread pool.
 
 Each worker makes a folder of its own under ``offload_dir`` and, in it, one file per state key
-(``exp_avg``, ``exp_avg_sq``, ...) of ``numel`` fp32 elements, addressed by the offset in the
+(``exp_avg``, ``exp_avg_sq``, ..., and ``master``: [Note: master on disk] in offload/master.py)
+of ``numel`` fp32 elements, addressed by the offset in the
 rank's flat master: element ``i`` of a piece at master ``[start, end)`` is at byte ``4 * (start +
 i)``. It unlinks the files (and the folder) as soon as they are open, so that no scratch
 outlives the process, however it ends (closed, killed by Ray, SIGKILL). Splitting the optimizer's pieces ([Note: unused parameters] in engine/flat_pieces.py)
@@ -49,7 +51,8 @@ def offload_error(folder: str, what: str, error: OSError) -> OffloadError:
         return OffloadError(
             f"offload_dir {folder!r} is full ({error.strerror}, {free}) while {what}: give ZeroConfig.offload_dir "
             "a file system with room for the optimizer state (its size is in the error of the allocation, or "
-            "8 bytes per parameter element for Adam, divided by the number of workers at stages 1-3)",
+            "8 bytes per parameter element for Adam, 12 in bf16/fp16 with the fp32 master, divided by the number "
+            "of workers at stages 1-3)",
             error.errno)
     return OffloadError(
         f"offload_dir {folder!r} cannot be used ({error.strerror or error}) while {what}: point "
