@@ -15,7 +15,14 @@ unit root takes).
 Policies (``ZeroConfig(wrap=...)``):
 - ``"auto"`` (default): every element of an ``nn.ModuleList``/``nn.Sequential`` (the model's
   repeated blocks) and every module whose class is named in the model's
-  ``_no_split_modules`` (Hugging Face's own list of its blocks), plus the root.
+  ``_no_split_modules`` (Hugging Face's own list of its blocks), plus the root. A block
+  chosen so (one that is not itself a ModuleList/Sequential) is not cut again: a container
+  inside it (a block's ``mlp = nn.Sequential(Linear, GELU, Linear)``, T5's ``layer``
+  ModuleList) does not make its elements units of their own. Cutting there made the block's
+  units a few gathers instead of one, each issued at a later position of the trace (more
+  collectives per step, each a point where the ranks meet), for nothing: the block's forward
+  runs them all. A ModuleList/Sequential that is itself an element (a model holding
+  ``nn.Sequential(*blocks)`` in a Sequential) is a list, not a block: its elements are still cut.
 - ``"module"``: every module that directly owns a trainable parameter (the finest grain: the
   fewest bytes gathered at once, the most collectives).
 - a tuple of ``nn.Module`` classes: modules of those classes, plus the root;
@@ -72,18 +79,30 @@ def _roots_unit(policy: WrapPolicy, model: torch.nn.Module, name: str, module: t
     return bool(policy(name, module))
 
 
+def _under(name: str, ancestors: set) -> bool:
+    """Module ``name`` lies strictly below one of ``ancestors``."""
+    while "." in name:
+        name = name.rsplit(".", 1)[0]
+        if name in ancestors:
+            return True
+    return False
+
+
 def unit_roots(model: torch.nn.Module, policy: WrapPolicy) -> List[str]:
     """Qualified names of the modules that root a unit, in ``named_modules()`` order ("" first)."""
     check_policy(policy)
     no_split = tuple(getattr(model, "_no_split_modules", None) or ())
     modules = dict(model.named_modules())
     roots = [""]
+    blocks: set = set()  # "auto": the blocks it chose, each gathered whole (see [Note: wrap policy])
     for name, module in model.named_modules():
-        if not name:
+        if not name or (policy == "auto" and _under(name, blocks)):
             continue
         parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
         if _roots_unit(policy, model, name, module, parent, no_split):
             roots.append(name)
+            if policy == "auto" and not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+                blocks.add(name)
     return roots
 
 
