@@ -1,5 +1,5 @@
-"""The wrap policy's unit roots (layout/wrap.py, [Note: wrap policy]): under "auto" a model's
-blocks are gathered whole, a container inside a block does not cut it again."""
+"""The wrap policy's unit roots (layout/wrap.py, [Note: wrap policy]): under "auto" an
+nn.Sequential inside a block is gathered with its block; a ModuleList inside one still cuts."""
 import torch.nn as nn
 
 from tests.models import routed_model
@@ -35,11 +35,12 @@ def test_a_list_inside_a_list_is_still_cut_to_its_elements():
                                                         for part in ("", ".0", ".1"))]
 
 
-def test_a_no_split_block_is_not_cut_by_a_list_inside_it():
+def test_inside_a_block_a_sequential_does_not_cut_a_module_list_does():
     class Layer(nn.Module):
         def __init__(self):
             super().__init__()
-            self.parts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.ff = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
 
     class Model(nn.Module):
         _no_split_modules = ["Layer"]
@@ -47,6 +48,9 @@ def test_a_no_split_block_is_not_cut_by_a_list_inside_it():
         def __init__(self):
             super().__init__()
             self.layer = Layer()
+            self.blocks = nn.ModuleList([Layer()])
             self.head = nn.Linear(4, 2)
 
-    assert unit_roots(Model(), "auto") == ["", "layer"]
+    # Each expert (a router may run only some) is a unit root, gathered whole; the Sequentials are not cut.
+    assert unit_roots(Model(), "auto") == ["", "layer", "layer.experts.0", "layer.experts.1", "blocks.0",
+                                           "blocks.0.experts.0", "blocks.0.experts.1"]

@@ -15,14 +15,16 @@ unit root takes).
 Policies (``ZeroConfig(wrap=...)``):
 - ``"auto"`` (default): every element of an ``nn.ModuleList``/``nn.Sequential`` (the model's
   repeated blocks) and every module whose class is named in the model's
-  ``_no_split_modules`` (Hugging Face's own list of its blocks), plus the root. A block
-  chosen so (one that is not itself a ModuleList/Sequential) is not cut again: a container
-  inside it (a block's ``mlp = nn.Sequential(Linear, GELU, Linear)``, T5's ``layer``
-  ModuleList) does not make its elements units of their own. Cutting there made the block's
-  units a few gathers instead of one, each issued at a later position of the trace (more
-  collectives per step, each a point where the ranks meet), for nothing: the block's forward
-  runs them all. A ModuleList/Sequential that is itself an element (a model holding
-  ``nn.Sequential(*blocks)`` in a Sequential) is a list, not a block: its elements are still cut.
+  ``_no_split_modules`` (Hugging Face's own list of its blocks), plus the root. Inside a
+  block chosen so (one that is not itself a ModuleList/Sequential), an ``nn.Sequential`` does
+  not cut: a block's ``mlp = nn.Sequential(Linear, GELU, Linear)`` is gathered with its block.
+  A Sequential runs every element inside its block's forward, so cutting it bought no memory
+  worth having, and it made the block's units several gathers issued at later positions of
+  the trace (mha's 5 all-gathers per step where gpt has 3; each one a point where the ranks
+  meet). An ``nn.ModuleList`` inside a block still cuts: its elements may run only on some
+  steps (experts a router picks), and a unit of their own gathers only those that run. A
+  ModuleList/Sequential that is itself an element (``nn.Sequential(*blocks)`` held in a list) is a
+  list, not a block: its elements are still cut.
 - ``"module"``: every module that directly owns a trainable parameter (the finest grain: the
   fewest bytes gathered at once, the most collectives).
 - a tuple of ``nn.Module`` classes: modules of those classes, plus the root;
@@ -94,11 +96,14 @@ def unit_roots(model: torch.nn.Module, policy: WrapPolicy) -> List[str]:
     no_split = tuple(getattr(model, "_no_split_modules", None) or ())
     modules = dict(model.named_modules())
     roots = [""]
-    blocks: set = set()  # "auto": the blocks it chose, each gathered whole (see [Note: wrap policy])
+    blocks: set = set()  # "auto": the blocks it chose; a Sequential inside one does not cut ([Note: wrap policy])
     for name, module in model.named_modules():
-        if not name or (policy == "auto" and _under(name, blocks)):
+        if not name:
             continue
         parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
+        if policy == "auto" and isinstance(parent, torch.nn.Sequential) and type(module).__name__ not in no_split \
+                and _under(name, blocks):
+            continue
         if _roots_unit(policy, model, name, module, parent, no_split):
             roots.append(name)
             if policy == "auto" and not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
