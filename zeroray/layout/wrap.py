@@ -18,10 +18,11 @@ Policies (``ZeroConfig(wrap=...)``):
   ``_no_split_modules`` (Hugging Face's own list of its blocks), plus the root. Inside a
   block chosen so (one that is not itself a ModuleList/Sequential), an ``nn.Sequential`` does
   not cut: a block's ``mlp = nn.Sequential(Linear, GELU, Linear)`` is gathered with its block.
-  A Sequential runs every element inside its block's forward, so cutting it bought no memory
-  worth having, and it made the block's units several gathers issued at later positions of
-  the trace (mha's 5 all-gathers per step where gpt has 3; each one a point where the ranks
-  meet). An ``nn.ModuleList`` inside a block still cuts: its elements may run only on some
+  A Sequential runs every element inside its block's forward, so cutting it only freed its
+  units a little before the block's end, and it made the block's units several gathers issued
+  at later positions of the trace (the benchmark's mha: 5 all-gathers per step where gpt, the
+  same sizes, has 3; each one a point where the ranks meet). The block then holds as many
+  gathered bytes as a block written without a Sequential. An ``nn.ModuleList`` inside a block still cuts: its elements may run only on some
   steps (experts a router picks), and a unit of their own gathers only those that run. A
   ModuleList/Sequential that is itself an element (``nn.Sequential(*blocks)`` held in a list) is a
   list, not a block: its elements are still cut.
