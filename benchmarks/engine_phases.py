@@ -3,14 +3,16 @@
     python benchmarks/engine_phases.py ddp s1 s3 's3{"prefetch": false}' [--large]
     PROF=1 python benchmarks/engine_phases.py s3      # also cProfile rank 0's timed steps
     MODEL=mha python benchmarks/engine_phases.py ddp s0   # another model of bench_models.py
+    WORLD=3 MODEL=mha python benchmarks/engine_phases.py s0 s3   # 3 processes (default 2)
 
-Each argument is a row run in the same 2 spawned gloo processes, one after another: ``ddp``,
+Each argument is a row run in the same WORLD (2) spawned gloo processes, one after another: ``ddp``,
 ``coll`` (13 MB all-reduce / reduce-scatter / all-gather), or ``s<stage>`` optionally followed
 by ZeroConfig overrides as JSON. Per row it prints rank 0's medians over the timed steps, in
 seconds: fwd (loss_fn), bwd (the rest: backward with the gradient hooks, and the step's status
 all-reduce), finish (the last buckets), norm (this rank's squared norm), opt, publish (stages 1-2
 gather launch), total; for zeroray also ``exposed`` and ``comm``
-(comm_report's exposed_s and comm_s), the stage 3 coordinator's counters (``c_*``) and, with
+(comm_report's exposed_s and comm_s), the step's collectives by kind (``n_*``: calls), the stage 3
+coordinator's counters (``c_*``; ``c_on_demand`` counts units, not collectives) and, with
 offload="disk", the step's state I/O (``off_*``: bytes read and written, the I/O threads'
 seconds, the seconds the step waited for them). Without
 Ray, this separates the engine's cost from the runtime's; ``exposed`` with prefetch on and off
@@ -107,6 +109,8 @@ def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, ov
         row = {**phases, "total": total, "bwd": total - sum(phases.values())}
         row.update({"c_" + k: v for k, v in engine.fetch_stats().items()})
         row["exposed"], row["comm"] = group.counter.wait_s, group.counter.comm_s
+        # this step's collectives by kind (n_all_gather: stage 3's gathers, on demand and prefetched)
+        row.update({"n_" + k: float(v.calls) for k, v in group.counter.collectives.items()})
         # offload="disk": this step's state I/O (bytes, the pool's I/O seconds, the step's wait for it)
         row.update({"off_" + k: offload_after[k] - offload_before[k]
                     for k in ("bytes_read", "bytes_written", "io_s", "wait_s") if k in offload_after})
@@ -145,8 +149,8 @@ def ddp_row(rank: int, world: int, port: int, spec: BenchSpec) -> dict:
 def _rank(rank: int, world: int, ports: list, rows: list, large: bool, out: str) -> None:
     torch.set_num_threads(1)
     model = os.environ.get("MODEL", "gpt")  # bench_models.MODELS
-    spec = BenchSpec(d_model=512, n_layers=8, n_heads=8, timed_steps=8, model=model) if large else \
-        BenchSpec(timed_steps=10, model=model)
+    spec = BenchSpec(d_model=512, n_layers=8, n_heads=8, timed_steps=8, model=model, num_workers=world) if large \
+        else BenchSpec(timed_steps=10, model=model, num_workers=world)
     results = []
     for port, row in zip(ports, rows):
         if row == "coll":
@@ -173,7 +177,8 @@ def main(argv=None) -> int:
     out = os.path.join(tempfile.mkdtemp(prefix="zr-phases-"), "out.json")
     ctx = mp.get_context("spawn")
     ports = [free_port() for _ in rows]
-    procs = [ctx.Process(target=_rank, args=(r, 2, ports, rows, large, out)) for r in range(2)]
+    world = int(os.environ.get("WORLD", "2"))
+    procs = [ctx.Process(target=_rank, args=(r, world, ports, rows, large, out)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

@@ -15,7 +15,17 @@ unit root takes).
 Policies (``ZeroConfig(wrap=...)``):
 - ``"auto"`` (default): every element of an ``nn.ModuleList``/``nn.Sequential`` (the model's
   repeated blocks) and every module whose class is named in the model's
-  ``_no_split_modules`` (Hugging Face's own list of its blocks), plus the root.
+  ``_no_split_modules`` (Hugging Face's own list of its blocks), plus the root. Inside a
+  block chosen so (one that is not itself a ModuleList/Sequential), an ``nn.Sequential`` does
+  not cut: a block's ``mlp = nn.Sequential(Linear, GELU, Linear)`` is gathered with its block.
+  A Sequential runs every element inside its block's forward, so cutting it only freed its
+  units a little before the block's end, and it made the block's units several gathers issued
+  at later positions of the trace (the benchmark's mha: 5 all-gathers per step where gpt, the
+  same sizes, has 3; each one a point where the ranks meet). The block then holds as many
+  gathered bytes as a block written without a Sequential. An ``nn.ModuleList`` inside a block still cuts: its elements may run only on some
+  steps (experts a router picks), and a unit of their own gathers only those that run. A
+  ModuleList/Sequential that is itself an element (``nn.Sequential(*blocks)`` held in a list) is a
+  list, not a block: its elements are still cut.
 - ``"module"``: every module that directly owns a trainable parameter (the finest grain: the
   fewest bytes gathered at once, the most collectives).
 - a tuple of ``nn.Module`` classes: modules of those classes, plus the root;
@@ -72,18 +82,33 @@ def _roots_unit(policy: WrapPolicy, model: torch.nn.Module, name: str, module: t
     return bool(policy(name, module))
 
 
+def _under(name: str, ancestors: set) -> bool:
+    """Module ``name`` lies strictly below one of ``ancestors``."""
+    while "." in name:
+        name = name.rsplit(".", 1)[0]
+        if name in ancestors:
+            return True
+    return False
+
+
 def unit_roots(model: torch.nn.Module, policy: WrapPolicy) -> List[str]:
     """Qualified names of the modules that root a unit, in ``named_modules()`` order ("" first)."""
     check_policy(policy)
     no_split = tuple(getattr(model, "_no_split_modules", None) or ())
     modules = dict(model.named_modules())
     roots = [""]
+    blocks: set = set()  # "auto": the blocks it chose; a Sequential inside one does not cut ([Note: wrap policy])
     for name, module in model.named_modules():
         if not name:
             continue
         parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
+        if policy == "auto" and isinstance(parent, torch.nn.Sequential) and type(module).__name__ not in no_split \
+                and _under(name, blocks):
+            continue
         if _roots_unit(policy, model, name, module, parent, no_split):
             roots.append(name)
+            if policy == "auto" and not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+                blocks.add(name)
     return roots
 
 
