@@ -89,14 +89,26 @@ class Worker:
                 "collectives": calls, "busy": self._sequencer.busy}
 
     @ray.method(concurrency_group="warm")
-    def warm(self) -> None:
+    def warm(self, spec: WorkerSpec) -> str:
         """A spare's start ([Note: replace, don't restart] in worker_group.py): load now what the
-        first build of an engine would import (the first torch optimizer imports torch._dynamo),
-        so that taking the spare costs only the rendezvous and the build itself."""
-        import torch._dynamo  # noqa: F401
+        first build of an engine would load, so that taking the spare costs only the rendezvous
+        and the build itself. Receiving ``spec`` imports the modules of the model and loss code;
+        a throwaway engine over a tiny model, alone in a group of one, with the spec's stage and
+        optimizer, imports and first-runs the engine's code (the first torch optimizer imports
+        torch._dynamo). Returns this worker's node id (the driver skips a spare whose node is gone)."""
+        from zeroray.comm.group import SoloGroup
+        from zeroray.config import ZeroConfig
+        from zeroray.engine.engine import Engine
 
-        from zeroray.comm.group import make_torch_group  # noqa: F401
-        from zeroray.engine.engine import Engine  # noqa: F401
+        zero = ZeroConfig(stage=spec.zero.stage, dtype=spec.zero.dtype)
+        try:
+            engine = Engine(lambda: torch.nn.Linear(4, 4), _throwaway_loss, spec.optimizer, zero, SoloGroup())
+            engine.train_step((torch.ones(2, 4),))
+            engine.close()
+        except Exception as error:  # noqa: BLE001 - a spare warms what it can; its real build says what is wrong
+            print(f"zeroray: a spare's throwaway build failed ({type(error).__name__}: {error}); it stays a "
+                  "spare, only less warm")
+        return ray.get_runtime_context().get_node_id()
 
     @ray.method(concurrency_group="copy")
     def hold_copy(self, shard_refs: List[Any]) -> None:
@@ -324,6 +336,10 @@ class Worker:
         self.engine.import_state(*assembler.state())
         self.engine.import_untrained(untrained)
         return self.engine.step_count
+
+
+def _throwaway_loss(model: torch.nn.Module, batch: Tuple[torch.Tensor]) -> torch.Tensor:
+    return model(batch[0]).square().mean()
 
 
 def _close_quietly(group: Any) -> None:

@@ -36,7 +36,12 @@ units gathered, gradients half reduced or the update half published; a new engin
 ``model_fn`` holds none of that. The controller then loads the snapshot into every worker
 (the survivors roll back to it as well, since their step may have half-applied), so at most
 the failed step is redone. A spare taken is made good in the background, in the bundle the
-lost worker left. When no replacement can be placed or built, ``replace`` raises and the
+lost worker left, started as soon as the spare is taken (the re-form is mostly waiting, so
+the new spare's start costs it little, and the next failure is likelier to find it warm).
+Which spare: a warm one (its ``warm`` call returned) before a cold one, since a cold one
+still has its imports ahead of it, and a cold one before a new actor, which has its process
+start ahead as well; a spare whose call failed or whose node is gone is dropped and started
+again. When no replacement can be placed or built, ``replace`` raises and the
 controller restarts the whole group as before.
 """
 from __future__ import annotations
@@ -45,7 +50,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -108,9 +113,11 @@ class WorkerGroup:
         self.survivors: List[int] = []
         self.bundles: List[Optional[int]] = list(range(num_workers))  # per rank: its bundle (None: outside)
         self.spares: List[Any] = []  # warm actors, each (actor, bundle index, its warm call)
+        self._spare_count = spares  # how many spares to keep
         self._scaling, self._threads = scaling, scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
         self._actor_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)  # once: every actor, spares too
         self.collective_timeout_s = spec.zero.collective_timeout_s
+        self._spec = spec  # what a spare warms up for
         self._next_seq = [0] * num_workers  # per worker: the number of its next engine call
         self._numbering = threading.Lock()  # driver threads (a fit, a report) may call at once
         bundle = {"CPU": scaling.cpus_per_worker}
@@ -165,6 +172,7 @@ class WorkerGroup:
     def add_spares(self, count: int) -> None:
         """Spares outside the placement group (after a resize, whose group was placed without
         them so that the old and the new group fit side by side); not waited for."""
+        self._spare_count += count
         for _ in range(count):
             self._add_spare(None)
 
@@ -172,7 +180,7 @@ class WorkerGroup:
         """Start a spare in ``bundle_index`` (None: outside the placement group) and have it load
         what a build imports; not waited for."""
         actor = self._new_actor(-1, bundle_index)
-        self.spares.append((actor, bundle_index, actor.warm.remote()))
+        self.spares.append((actor, bundle_index, actor.warm.remote(self._spec)))
 
     def hold_copies(self, shard_refs: Sequence[Any]) -> int:
         """Have a buddy on another node copy each rank's snapshot shard ([Note: buddy copies] in
@@ -203,37 +211,82 @@ class WorkerGroup:
             raise RuntimeError("replace: the group has no survivors to keep (a zeroray bug)")
         t0 = time.monotonic()
         lost = [r for r in range(self.num_workers) if r not in self.survivors]
-        freed = []
-        used_spares = 0
+        freed = self._drop_dead_spares()
+        used_spares = cold_spares = 0
         for rank in lost:
-            freed.append(self.bundles[rank])
-            if self.spares:
-                self.actors[rank], self.bundles[rank], _ = self.spares.pop(0)
+            spare = self._take_spare()
+            if spare is not None:
+                freed.append(self.bundles[rank])
+                self.actors[rank], self.bundles[rank], warm = spare
                 used_spares += 1
-            else:
+                cold_spares += not warm
+            elif self._bundle_on_live_node(self.bundles[rank]):  # the new actor takes the lost one's bundle
                 self.actors[rank] = self._new_actor(rank, self.bundles[rank])
-                freed.pop()  # the new actor takes the lost one's bundle
+            else:  # its node is gone: a new actor wherever there is room, not where Ray re-places the bundle
+                freed.append(self.bundles[rank])
+                self.bundles[rank] = None
+                self.actors[rank] = self._new_actor(rank, None)
             self._next_seq[rank] = 0
-        try:
-            refs = self.poll("node_info")
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-            if len(ready) < len(refs):
-                raise PlacementError(f"replace: the new worker(s) for rank(s) {lost} did not start within "
-                                     f"{timeout_s:g} s: {_cluster_offer()}")
-            self.nodes = [{**node, "rank": rank} for rank, node in enumerate(self._answers(refs, "start"))]
-            t1 = time.monotonic()
-            master_port = self._answers(self.poll("free_port", ranks=[0]), "re-form the group")[0]
-            spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
-            self.failed, self.survivors = None, []
-            self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0]["ip"], master_port, r)
-                                                                     for r in range(self.num_workers)]),
-                                            None, "re-form the group")
-        finally:
-            for index in freed if self.pg is not None else ():  # spares again, where the lost workers were
-                self._add_spare(index)
-        return {"replaced": len(lost), "spares_used": used_spares, "replace_start_s": t1 - t0,
+        # Spares again, where the lost workers were: started now, so that the next recovery is
+        # more likely to find one warm; the re-form below is mostly waiting, not computing.
+        for index in (freed if self.pg is not None else [])[:max(0, self._spare_count - len(self.spares))]:
+            self._add_spare(index)
+        refs = self.poll("node_info")
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if len(ready) < len(refs):
+            raise PlacementError(f"replace: the new worker(s) for rank(s) {lost} did not start within "
+                                 f"{timeout_s:g} s: {_cluster_offer()}")
+        self.nodes = [{**node, "rank": rank} for rank, node in enumerate(self._answers(refs, "start"))]
+        t1 = time.monotonic()
+        master_port = self._answers(self.poll("free_port", ranks=[0]), "re-form the group")[0]
+        spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
+        self.failed, self.survivors = None, []
+        self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0]["ip"], master_port, r)
+                                                                 for r in range(self.num_workers)]),
+                                        None, "re-form the group")
+        return {"replaced": len(lost), "spares_used": used_spares, "cold_spares": cold_spares,
+                "replace_start_s": t1 - t0,
                 "setup_s": time.monotonic() - t1, "rendezvous_s": max(i.rendezvous_s for i in self.setup_info),
                 "build_s": max(i.build_s for i in self.setup_info)}
+
+    def _take_spare(self) -> Optional[Tuple[Any, Optional[int], bool]]:
+        """The spare to put in a lost rank, as (actor, bundle index, whether it was warm): a warm
+        one first; else the one started first (further along than a new actor would be); None
+        when there is none."""
+        if not self.spares:
+            return None
+        refs = [ref for _, _, ref in self.spares]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        warm = [i for i, ref in enumerate(refs) if ref in ready]
+        actor, bundle, _ = self.spares.pop(warm[0] if warm else 0)
+        return actor, bundle, bool(warm)
+
+    def _bundle_on_live_node(self, index: Optional[int]) -> bool:
+        """Whether bundle ``index`` of the placement group sits on a live node (outside: True).
+        One whose node died waits for Ray to place it again, on a node that may yet have to join."""
+        if index is None or self.pg is None:
+            return True
+        node = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {}).get(index)
+        return node in {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+    def _drop_dead_spares(self) -> List[Optional[int]]:
+        """Forget the spares whose warm call failed or whose node is gone (taking one would fail
+        the re-form); their bundles, to start new spares in."""
+        refs = [ref for _, _, ref in self.spares]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} if ready else set()
+        dead, kept = [], []
+        for actor, bundle, ref in self.spares:
+            if ref in ready and _node_of(ref) not in alive_nodes:
+                dead.append(bundle)
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - already dead
+                    pass
+            else:
+                kept.append((actor, bundle, ref))
+        self.spares = kept
+        return dead
 
     def _answers(self, refs: List[Any], what: str) -> List[Any]:
         """ray.get of polls during ``replace``; when a worker died meanwhile, the group fails as
@@ -454,3 +507,11 @@ class WorkerGroup:
             return
         log.warning("zeroray: %s; shutting the worker group down", reason)
         self.shutdown()
+
+
+def _node_of(warm_ref: Any) -> Optional[str]:
+    """The node a spare's finished warm call ran on; None when it raised (the spare died)."""
+    try:
+        return ray.get(warm_ref)
+    except Exception:  # noqa: BLE001 - any failure: the spare is unusable
+        return None
