@@ -69,6 +69,9 @@ log = logging.getLogger("zeroray")
 # How long wait_all keeps listening for the other workers after the first error: long enough
 # for Ray to report a killed actor (well under a second), short enough to fail fast.
 _FAILURE_GRACE_S = 3.0
+# How long replace waits for a warm spare to answer a poll before dropping it as dead: a live
+# one answers on its control thread within a round trip.
+_SPARE_PING_S = 2.0
 
 
 def ensure_ray(scaling: ScalingConfig) -> None:
@@ -270,14 +273,19 @@ class WorkerGroup:
         return node in {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
     def _drop_dead_spares(self) -> List[Optional[int]]:
-        """Forget the spares whose warm call failed or whose node is gone (taking one would fail
-        the re-form); their bundles, to start new spares in."""
+        """Forget the spares whose warm call failed, whose node is gone, or that no longer answer
+        (taking one would fail the re-form); their bundles, to start new spares in."""
         refs = [ref for _, _, ref in self.spares]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} if ready else set()
+        # A warm spare may have died since (its process killed): one that does not answer a poll
+        # at once is dropped too; a live one answers on its control thread.
+        pings = {ref: actor.node_info.remote() for actor, _, ref in self.spares if ref in ready}
+        answered = ray.wait(list(pings.values()), num_returns=len(pings), timeout=_SPARE_PING_S)[0] if pings else []
         dead, kept = [], []
         for actor, bundle, ref in self.spares:
-            if ref in ready and _node_of(ref) not in alive_nodes:
+            if ref in ready and (_node_of(ref) not in alive_nodes or pings[ref] not in answered
+                                 or _node_of(pings[ref]) is None):
                 dead.append(bundle)
                 try:
                     ray.kill(actor, no_restart=True)
@@ -509,9 +517,11 @@ class WorkerGroup:
         self.shutdown()
 
 
-def _node_of(warm_ref: Any) -> Optional[str]:
-    """The node a spare's finished warm call ran on; None when it raised (the spare died)."""
+def _node_of(ref: Any) -> Optional[str]:
+    """The node a spare's finished call (warm, or a node_info poll) names; None when it raised
+    (the spare died)."""
     try:
-        return ray.get(warm_ref)
+        out = ray.get(ref)
     except Exception:  # noqa: BLE001 - any failure: the spare is unusable
         return None
+    return out["node_id"] if isinstance(out, dict) else out
