@@ -35,7 +35,8 @@ def test_a_dead_spare_is_dropped_not_taken(ray_local, tmp_path):
         results = trainer.fit(KillingData(batches, KILL_AT, arm), progress=False)
         assert landed == {"batch": target}, landed
         rec = trainer.recoveries[-1]
-        print(f"\n  recovered in {rec['seconds']:.1f} s: {rec['spares_used']} spare(s) used, from {rec['restored_from']}")
+        print(f"\n  recovered in {rec['seconds']:.1f} s: {rec['spares_used']} spare(s) used, "
+              f"from {rec['restored_from']}")
         assert len(trainer.recoveries) == 1
         assert rec["mode"] == "replace" and rec["spares_used"] == 0 and rec["restored_from"] == "memory", rec
         assert trainer.workers[0]["pid"] == survivor
