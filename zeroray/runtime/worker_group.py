@@ -50,7 +50,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -62,6 +62,7 @@ from zeroray.runtime.failures import (CollectiveTimeoutError, ErrorKind, Placeme
 from zeroray.runtime.messages import SetupInfo, WorkerSpec
 from zeroray.runtime.sequencer import Ticket
 from zeroray.runtime.snapshot import buddies
+from zeroray.runtime.spares import drop_dead_spares, take_spare
 from zeroray.runtime.worker import CONCURRENCY_GROUPS, ENGINE_THREADS, Worker
 
 log = logging.getLogger("zeroray")
@@ -69,9 +70,6 @@ log = logging.getLogger("zeroray")
 # How long wait_all keeps listening for the other workers after the first error: long enough
 # for Ray to report a killed actor (well under a second), short enough to fail fast.
 _FAILURE_GRACE_S = 3.0
-# How long replace waits for a warm spare to answer a poll before dropping it as dead: a live
-# one answers on its control thread within a round trip.
-_SPARE_PING_S = 2.0
 
 
 def ensure_ray(scaling: ScalingConfig) -> None:
@@ -214,10 +212,10 @@ class WorkerGroup:
             raise RuntimeError("replace: the group has no survivors to keep (a zeroray bug)")
         t0 = time.monotonic()
         lost = [r for r in range(self.num_workers) if r not in self.survivors]
-        freed = self._drop_dead_spares()
+        self.spares, freed = drop_dead_spares(self.spares)
         used_spares = cold_spares = 0
         for rank in lost:
-            spare = self._take_spare()
+            spare = take_spare(self.spares)
             if spare is not None:
                 freed.append(self.bundles[rank])
                 self.actors[rank], self.bundles[rank], warm = spare
@@ -252,18 +250,6 @@ class WorkerGroup:
                 "setup_s": time.monotonic() - t1, "rendezvous_s": max(i.rendezvous_s for i in self.setup_info),
                 "build_s": max(i.build_s for i in self.setup_info)}
 
-    def _take_spare(self) -> Optional[Tuple[Any, Optional[int], bool]]:
-        """The spare to put in a lost rank, as (actor, bundle index, whether it was warm): a warm
-        one first; else the one started first (further along than a new actor would be); None
-        when there is none."""
-        if not self.spares:
-            return None
-        refs = [ref for _, _, ref in self.spares]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        warm = [i for i, ref in enumerate(refs) if ref in ready]
-        actor, bundle, _ = self.spares.pop(warm[0] if warm else 0)
-        return actor, bundle, bool(warm)
-
     def _bundle_on_live_node(self, index: Optional[int]) -> bool:
         """Whether bundle ``index`` of the placement group sits on a live node (outside: True).
         One whose node died waits for Ray to place it again, on a node that may yet have to join."""
@@ -271,30 +257,6 @@ class WorkerGroup:
             return True
         node = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {}).get(index)
         return node in {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-
-    def _drop_dead_spares(self) -> List[Optional[int]]:
-        """Forget the spares whose warm call failed, whose node is gone, or that no longer answer
-        (taking one would fail the re-form); their bundles, to start new spares in."""
-        refs = [ref for _, _, ref in self.spares]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} if ready else set()
-        # A warm spare may have died since (its process killed): one that does not answer a poll
-        # at once is dropped too; a live one answers on its control thread.
-        pings = {ref: actor.node_info.remote() for actor, _, ref in self.spares if ref in ready}
-        answered = ray.wait(list(pings.values()), num_returns=len(pings), timeout=_SPARE_PING_S)[0] if pings else []
-        dead, kept = [], []
-        for actor, bundle, ref in self.spares:
-            if ref in ready and (_node_of(ref) not in alive_nodes or pings[ref] not in answered
-                                 or _node_of(pings[ref]) is None):
-                dead.append(bundle)
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:  # noqa: BLE001 - already dead
-                    pass
-            else:
-                kept.append((actor, bundle, ref))
-        self.spares = kept
-        return dead
 
     def _answers(self, refs: List[Any], what: str) -> List[Any]:
         """ray.get of polls during ``replace``; when a worker died meanwhile, the group fails as
@@ -516,12 +478,3 @@ class WorkerGroup:
         log.warning("zeroray: %s; shutting the worker group down", reason)
         self.shutdown()
 
-
-def _node_of(ref: Any) -> Optional[str]:
-    """The node a spare's finished call (warm, or a node_info poll) names; None when it raised
-    (the spare died)."""
-    try:
-        out = ray.get(ref)
-    except Exception:  # noqa: BLE001 - any failure: the spare is unusable
-        return None
-    return out["node_id"] if isinstance(out, dict) else out
