@@ -40,8 +40,12 @@ lost worker left, started as soon as the spare is taken (the re-form is mostly w
 the new spare's start costs it little, and the next failure is likelier to find it warm).
 Which spare: a warm one (its ``warm`` call returned) before a cold one, since a cold one
 still has its imports ahead of it, and a cold one before a new actor, which has its process
-start ahead as well; a spare whose call failed or whose node is gone is dropped and started
-again. When no replacement can be placed or built, ``replace`` raises and the
+start ahead as well; a spare whose call failed, whose node is gone or that no longer answers is
+dropped and started
+again. A lost rank whose bundle's node died keeps that bundle, which Ray places again: a new
+actor outside the placement group was tried and was slower on the local multi-node cluster
+(no CPU is free outside the group until a node joins, and the bundle takes the new node
+first). When no replacement can be placed or built, ``replace`` raises and the
 controller restarts the whole group as before.
 """
 from __future__ import annotations
@@ -221,12 +225,8 @@ class WorkerGroup:
                 self.actors[rank], self.bundles[rank], warm = spare
                 used_spares += 1
                 cold_spares += not warm
-            elif self._bundle_on_live_node(self.bundles[rank]):  # the new actor takes the lost one's bundle
+            else:  # the new actor takes the lost one's bundle (where Ray places it again if its node died)
                 self.actors[rank] = self._new_actor(rank, self.bundles[rank])
-            else:  # its node is gone: a new actor wherever there is room, not where Ray re-places the bundle
-                freed.append(self.bundles[rank])
-                self.bundles[rank] = None
-                self.actors[rank] = self._new_actor(rank, None)
             self._next_seq[rank] = 0
         # Spares again, where the lost workers were: started now, so that the next recovery is
         # more likely to find one warm; the re-form below is mostly waiting, not computing.
@@ -249,14 +249,6 @@ class WorkerGroup:
                 "replace_start_s": t1 - t0,
                 "setup_s": time.monotonic() - t1, "rendezvous_s": max(i.rendezvous_s for i in self.setup_info),
                 "build_s": max(i.build_s for i in self.setup_info)}
-
-    def _bundle_on_live_node(self, index: Optional[int]) -> bool:
-        """Whether bundle ``index`` of the placement group sits on a live node (outside: True).
-        One whose node died waits for Ray to place it again, on a node that may yet have to join."""
-        if index is None or self.pg is None:
-            return True
-        node = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {}).get(index)
-        return node in {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
     def _answers(self, refs: List[Any], what: str) -> List[Any]:
         """ray.get of polls during ``replace``; when a worker died meanwhile, the group fails as
