@@ -41,8 +41,7 @@ the new spare's start costs it little, and the next failure is likelier to find 
 Which spare: a warm one (its ``warm`` call returned) before a cold one, since a cold one
 still has its imports ahead of it, and a cold one before a new actor, which has its process
 start ahead as well; a spare whose call failed, whose node is gone or that no longer answers is
-dropped and started
-again. A lost rank whose bundle's node died keeps that bundle, which Ray places again: a new
+dropped and started again. A lost rank whose bundle's node died keeps that bundle, which Ray places again: a new
 actor outside the placement group was tried and was slower on the local multi-node cluster
 (no CPU is free outside the group until a node joins, and the bundle takes the new node
 first). When no replacement can be placed or built, ``replace`` raises and the
