@@ -36,9 +36,9 @@ units gathered, gradients half reduced or the update half published; a new engin
 ``model_fn`` holds none of that. The controller then loads the snapshot into every worker
 (the survivors roll back to it as well, since their step may have half-applied), so at most
 the failed step is redone. A spare taken is made good in the background, in the bundle the
-lost worker left, started as soon as the spare is taken (the re-form is mostly waiting, so
-the new spare's start costs it little, and the next failure is likelier to find it warm).
-Which spare: a warm one (its ``warm`` call returned) before a cold one, since a cold one
+lost worker left, once the group is re-formed (started sooner, its process start and imports
+would slow the re-form, and where the lost worker's node died, take the CPU of the node that
+joins before the replacement does). Which spare: a warm one (its ``warm`` call returned) before a cold one, since a cold one
 still has its imports ahead of it, and a cold one before a new actor, which has its process
 start ahead as well; a spare whose call failed, whose node is gone or that no longer answers is
 dropped and started again. A lost rank whose bundle's node died keeps that bundle, which Ray places again: a new
@@ -227,10 +227,15 @@ class WorkerGroup:
             else:  # the new actor takes the lost one's bundle (where Ray places it again if its node died)
                 self.actors[rank] = self._new_actor(rank, self.bundles[rank])
             self._next_seq[rank] = 0
-        # Spares again, where the lost workers were: started now, so that the next recovery is
-        # more likely to find one warm; the re-form below is mostly waiting, not computing.
-        for index in (freed if self.pg is not None else [])[:max(0, self._spare_count - len(self.spares))]:
-            self._add_spare(index)
+        try:
+            return self._re_form(spec, timeout_s, lost, t0, used_spares, cold_spares)
+        finally:  # spares again, where the lost workers were; not before the re-form, which they would slow
+            for index in (freed if self.pg is not None else [])[:max(0, self._spare_count - len(self.spares))]:
+                self._add_spare(index)
+
+    def _re_form(self, spec: WorkerSpec, timeout_s: float, lost: List[int], t0: float, used_spares: int,
+                 cold_spares: int) -> Dict[str, float]:
+        """``replace``'s second half: wait for the new workers, then the rendezvous and the builds."""
         refs = self.poll("node_info")
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if len(ready) < len(refs):
