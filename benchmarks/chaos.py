@@ -449,6 +449,7 @@ def main(argv=None) -> int:
         data = ChaosData(batches, injector.on_fetch)
 
         t_chaos = time.monotonic()
+        details: List[dict] = []  # per recovery: the fault's kind and the recovery record's phases
         try:
             for fault in faults:
                 if fault.kind == "resize":
@@ -463,6 +464,9 @@ def main(argv=None) -> int:
                 fault.survived = fault.landed
                 injector.seen_workers()
                 recs = trainer.recoveries[before:]
+                details += [{"kind": fault.kind, "cause": r["cause"].split(":")[0],
+                             **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+                                if k not in ("cause", "detected_at", "resumed_at")}} for r in recs]
                 say(f"  cycle {fault.cycle:3d} {fault.kind:12s} step {fault.step:4d}: "
                     f"{'landed' if fault.landed else 'DID NOT LAND'}; {fault.note}; "
                     + (", ".join(f"recovered to step {r['step']} ({r['redone_steps']} redone) in {r['seconds']:.1f} s "
@@ -518,7 +522,8 @@ def main(argv=None) -> int:
                   "recoveries_by_mode": _counts(r.get("mode", "restart") for r in recoveries),
                   "recoveries_from": _counts(r.get("restored_from", "?") for r in recoveries),
                   "redone_per_fault": round(redone / max(1, len(injected)), 3),
-                  "snapshot_every": args.snapshot_every, "spares": args.spares}
+                  "snapshot_every": args.snapshot_every, "spares": args.spares,
+                  "recovery_details": details}
         ok = (len(survived) == len(faults) and gap <= 1e-6 and worst_checkpoint <= 1e-6
               and not any(left.values()) and len(checkpoint_gaps) > 0)
         say(f"faults injected {len(injected)} / planned {len(faults)}, survived {len(survived)}; "

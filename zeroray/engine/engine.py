@@ -127,8 +127,12 @@ class Engine:
     # --- one step --------------------------------------------------------------------------
 
     @with_worker_context
-    def train_step(self, batch: Any) -> StepStats:
-        """One optimizer step on this rank's share of the global batch (collective)."""
+    def train_step(self, batch: Any, before_update: Optional[Callable[[], None]] = None) -> StepStats:
+        """One optimizer step on this rank's share of the global batch (collective).
+
+        ``before_update``: called after forward and backward, before anything that
+        ``export_state`` reads changes (the runtime's snapshot copy of the state before this
+        step runs beside forward and backward, and the update waits for it)."""
         t0 = time.perf_counter()
         k = self.zero.grad_accum_steps
         self.group.counter.reset()
@@ -164,6 +168,8 @@ class Engine:
             raise PeerStepError(f"step {self.step_count}: not applied, because worker(s) {failed} raised an error "
                                 "during it (their own error says why)", failed)
         loss_value /= k
+        if before_update is not None:
+            before_update()
         skipped = skips(norm, loss_value, self.step_count, self.rank, scaled=self.scaler is not None)
         if self.scaler is not None:
             self.scaler.update(skipped, self.step_count)

@@ -13,7 +13,8 @@ Order without a barrier: the snapshot call is numbered right after the step it c
 ([Note: one engine call at a time] in sequencer.py), with ``after_ok``, so it runs after that
 step and before the next one, which fit has already queued, and only if the step succeeded;
 the next step is ``after_ok`` behind the snapshot. fit's pipeline is not broken: the copy
-runs on the workers between two steps and the driver never fetches the shards. When the
+runs on the workers beside the next step ([Note: overlapped snapshot copy]) and the driver
+never fetches the shards. When the
 driver collects the step, it waits for the snapshot's small record (the step it holds) and
 only then makes the snapshot the complete one, dropping the refs of the one before, which
 frees its objects (Ray counts references). So at most the complete snapshot and the ones of
@@ -32,6 +33,20 @@ snapshot and falls back to the last disk checkpoint (or the initial weights), as
 snapshots. Since [Note: replace, don't restart] (worker_group.py), the survivors stay and load
 the snapshot too, so the recovery costs no process start when a warm spare takes the lost rank.
 
+[Note: overlapped snapshot copy]
+The snapshot call's turn between two steps is short: it captures only what the next step's
+forward and backward may change (the random generator, rank 0's buffers) and the step count,
+then ends, and the next step starts. The call goes on, outside the turn, copying the state
+(``export_state``) beside that forward and backward, which read the master and optimizer
+state but do not write them; the next step's update waits for the copy to end
+(``Engine.train_step``'s ``before_update``), and so does every other engine call (a save, a
+rebuild, a restore). So the copy costs the step what forward and backward cannot hide, not
+its whole length. A snapshot becomes the complete one only when the driver has its records,
+which Ray hands out only once the call returned and its three values are stored: a worker
+that dies during the copy leaves the snapshot before it the complete one, never a half copy.
+With ``ZeroConfig(offload="disk")`` the copy stays inside the turn: the disk tier reads and
+writes the optimizer state beside the next step's forward.
+
 [Note: buddy copies]
 Where a shard physically lives: the worker that returns it writes it into the object store of
 its own node (a return value is stored where the task ran), and the driver owns it. So a
@@ -47,6 +62,7 @@ node before the copy arrived) lose the shard: the fallback is the disk checkpoin
 """
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -78,18 +94,41 @@ class Snapshot:
 # --- the worker's side -------------------------------------------------------------------------
 
 
-def export_shard(engine: Any, rank: int) -> Tuple[Dict[str, Any], Any, Dict[str, int]]:
+@dataclass
+class Capture:
+    """What a snapshot takes in its turn between two steps ([Note: overlapped snapshot copy]):
+    what the next step's forward may change (the random generator, rank 0's buffers), the
+    step, and the engine whose state ``copy_shard`` then copies beside that forward."""
+
+    engine: Any
+    rng: torch.Tensor
+    untrained: Any
+    step: int
+
+
+def capture(engine: Any, rank: int) -> Capture:
+    return Capture(engine, torch.get_rng_state(), engine.untrained_state() if rank == 0 else None,
+                   engine.step_count)
+
+
+def copy_shard(taken: Capture) -> Tuple[Dict[str, Any], Any, Dict[str, int]]:
     """``Worker.snapshot_shard``'s three return values: (this rank's shard, rank 0's untrained
-    state or None, a small record)."""
+    state or None, a small record), from the state as it was at ``taken``."""
+    engine = taken.engine
     tensors, scalars = engine.export_state()
+    if scalars.get("step") != taken.step:
+        raise RuntimeError(f"the snapshot of step {taken.step} saw step {scalars.get('step')}: the update ran "
+                           "during its copy (a zeroray bug)")
+    # The generator as it was between the steps, in export_state's encoding (engine/state.py):
+    # the next step's forward may have drawn from it since.
+    scalars["rng"] = base64.b64encode(taken.rng.numpy().tobytes()).decode()
     # Ray copies a return value into the object store after the call returned, when the next
-    # step may already run: a tensor that is the live master (stages 1-3 on the CPU) is copied
-    # first, so the snapshot cannot catch that step's update half-way. Export's other tensors are new.
+    # step's update may already run: a tensor that is the live master (stages 1-3 on the CPU)
+    # is copied first, so the snapshot cannot catch that update half-way. Export's other tensors are new.
     live = engine.master_shard().data_ptr()
     shard = {"tensors": {k: to_wire(v.clone() if v.data_ptr() == live else v) for k, v in tensors.items()},
              "scalars": scalars}
-    untrained = engine.untrained_state() if rank == 0 else None
-    return shard, untrained, {"step": engine.step_count}
+    return shard, taken.untrained, {"step": taken.step}
 
 
 def needed_ranks(old_layout: FlatLayout, target: Tuple[Dict[str, Any], int]) -> List[int]:

@@ -33,12 +33,22 @@ ENGINE_THREADS = 4
 CONCURRENCY_GROUPS = {"control": 1, "warm": 1, "copy": 1}
 
 
-def engine_call(method: Callable) -> Callable:
+def engine_call(method: Optional[Callable] = None, *, waits_for_copy: bool = True) -> Callable:
     """An actor method that touches the engine: called as ``method(ticket, *args)``, it runs in
-    its ticket's turn (see [Note: one engine call at a time])."""
+    its ticket's turn (see [Note: one engine call at a time]), and once the snapshot copy before
+    it is done ([Note: overlapped snapshot copy] in snapshot.py); ``waits_for_copy=False``: a
+    step, which waits for it only before its update."""
+    if method is None:
+        return functools.partial(engine_call, waits_for_copy=waits_for_copy)
+
     def call(self: "Worker", ticket: Ticket, *args: Any, **kwargs: Any) -> Any:
         self._arrived.at = time.time()  # before waiting for the turn: the step timeline's actor_start
-        return self._sequencer.run(ticket, functools.partial(method, self, *args, **kwargs))
+
+        def run() -> Any:
+            if waits_for_copy:
+                self._wait_copy()
+            return method(self, *args, **kwargs)
+        return self._sequencer.run(ticket, run)
 
     call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
     # Ray checks call arguments against the signature: the same one, with the ticket first.
@@ -61,6 +71,7 @@ class Worker:
         self._arrived = threading.local()
         self._staged = None  # recovery: the state stage_snapshot assembled, until apply_snapshot
         self._copy = None  # another rank's snapshot shard held here ([Note: buddy copies] in runtime/snapshot.py)
+        self._copy_done: Optional[threading.Event] = None  # set once the last snapshot's copy is done
         self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/local_feed.py)
         self.memory = ProcessMemory()  # before the model: the baseline; engine work on one thread
 
@@ -89,14 +100,28 @@ class Worker:
                 "collectives": calls, "busy": self._sequencer.busy}
 
     @ray.method(concurrency_group="warm")
-    def warm(self) -> None:
+    def warm(self, spec: WorkerSpec) -> str:
         """A spare's start ([Note: replace, don't restart] in worker_group.py): load now what the
-        first build of an engine would import (the first torch optimizer imports torch._dynamo),
-        so that taking the spare costs only the rendezvous and the build itself."""
-        import torch._dynamo  # noqa: F401
+        first build of an engine would load, so that taking the spare costs only the rendezvous
+        and the build itself. Receiving ``spec`` imports the modules of the model and loss code;
+        a throwaway engine over a tiny model, alone in a group of one, with the spec's stage and
+        optimizer, imports and first-runs the engine's code (the first torch optimizer imports
+        torch._dynamo). Returns this worker's node id (the driver skips a spare whose node is gone)."""
+        from zeroray.comm.group import SoloGroup
+        from zeroray.config import ZeroConfig
+        from zeroray.engine.engine import Engine
 
-        from zeroray.comm.group import make_torch_group  # noqa: F401
-        from zeroray.engine.engine import Engine  # noqa: F401
+        if self.rank >= 0:  # taken already (setup gave it a rank): its real build does the rest, not beside it
+            return ray.get_runtime_context().get_node_id()
+        zero = ZeroConfig(stage=spec.zero.stage, dtype=spec.zero.dtype)
+        try:
+            engine = Engine(lambda: torch.nn.Linear(4, 4), _throwaway_loss, spec.optimizer, zero, SoloGroup())
+            engine.train_step((torch.ones(2, 4),))
+            engine.close()
+        except Exception as error:  # noqa: BLE001 - a spare warms what it can; its real build says what is wrong
+            print(f"zeroray: a spare's throwaway build failed ({type(error).__name__}: {error}); it stays a "
+                  "spare, only less warm")
+        return ray.get_runtime_context().get_node_id()
 
     @ray.method(concurrency_group="copy")
     def hold_copy(self, shard_refs: List[Any]) -> None:
@@ -153,14 +178,14 @@ class Worker:
 
     # --- training --------------------------------------------------------------------------
 
-    @engine_call
+    @engine_call(waits_for_copy=False)
     def train_step(self, batch: Any) -> StepOutput:
         """One step on this rank's share of the global batch (a PackedBatch, see batch_transport.py)."""
         return self._step(unpack(batch))
 
     def _step(self, batch: Any) -> StepOutput:
         t_engine = time.time()
-        stats = self.memory.step(self.engine.train_step, batch)
+        stats = self.memory.step(self.engine.train_step, batch, before_update=self._wait_copy)
         t_engine_end = time.time()
         return StepOutput(loss=stats.loss, grad_norm=stats.grad_norm, step=stats.step, skipped=stats.skipped,
                           loss_scale=stats.loss_scale, time_s=stats.time_s,
@@ -189,7 +214,7 @@ class Worker:
         self.feed = LocalFeed(split, batch_size, skip, feed_id)
         return self.feed.peek_info()
 
-    @engine_call
+    @engine_call(waits_for_copy=False)
     def train_next(self) -> Optional[StepOutput]:
         """One step on this rank's next local batch; None (no step) when the split has run out."""
         if self.feed is None:
@@ -250,12 +275,36 @@ class Worker:
         """fit's in-memory snapshot of this rank's state ([Note: in-memory snapshots] in
         runtime/snapshot.py): (shard, rank 0's untrained state or None, a small record), three
         Ray objects the driver owns. Called with num_returns=3 and ``after_ok`` behind the step
-        it captures; not ``engine_call`` only so that a cancelled call still returns three values."""
-        from zeroray.runtime.snapshot import export_shard
+        it captures; not ``engine_call`` only so that a cancelled call still returns three
+        values. Its turn only captures what the next step's forward may change; the state is
+        copied after the turn, beside that forward ([Note: overlapped snapshot copy])."""
+        from zeroray.runtime.snapshot import Capture, capture, copy_shard
 
         self._arrived.at = time.time()
-        out = self._sequencer.run(ticket, lambda: export_shard(self.engine, self.rank))
-        return (out, None, out) if isinstance(out, Cancelled) else out
+        done = threading.Event()
+
+        def take() -> Any:
+            self._wait_copy()  # the snapshot before (none is taken twice without a step between)
+            taken = capture(self.engine, self.rank)
+            if self.engine.zero.offload is not None:  # the disk tier reads and writes beside the next step
+                return copy_shard(taken)
+            self._copy_done = done
+            return taken
+        out = self._sequencer.run(ticket, take)
+        if isinstance(out, Cancelled):
+            return out, None, out
+        if not isinstance(out, Capture):
+            return out
+        try:
+            return copy_shard(out)
+        finally:
+            done.set()
+
+    def _wait_copy(self) -> None:
+        """Wait for the snapshot copy in progress, if any ([Note: overlapped snapshot copy])."""
+        done = self._copy_done
+        if done is not None:
+            done.wait()
 
     @engine_call
     def stage_snapshot(self, old_layout: Dict[str, Any], shard_refs: List[Any], untrained_refs: List[Any]
@@ -324,6 +373,10 @@ class Worker:
         self.engine.import_state(*assembler.state())
         self.engine.import_untrained(untrained)
         return self.engine.step_count
+
+
+def _throwaway_loss(model: torch.nn.Module, batch: Tuple[torch.Tensor]) -> torch.Tensor:
+    return model(batch[0]).square().mean()
 
 
 def _close_quietly(group: Any) -> None:

@@ -36,7 +36,15 @@ units gathered, gradients half reduced or the update half published; a new engin
 ``model_fn`` holds none of that. The controller then loads the snapshot into every worker
 (the survivors roll back to it as well, since their step may have half-applied), so at most
 the failed step is redone. A spare taken is made good in the background, in the bundle the
-lost worker left. When no replacement can be placed or built, ``replace`` raises and the
+lost worker left, once the group is re-formed (started sooner, its process start and imports
+would slow the re-form, and where the lost worker's node died, take the CPU of the node that
+joins before the replacement does). Which spare: a warm one (its ``warm`` call returned) before a cold one, since a cold one
+still has its imports ahead of it, and a cold one before a new actor, which has its process
+start ahead as well; a spare whose call failed, whose node is gone or that no longer answers is
+dropped and started again. A lost rank whose bundle's node died keeps that bundle, which Ray places again: a new
+actor outside the placement group was tried and was slower on the local multi-node cluster
+(no CPU is free outside the group until a node joins, and the bundle takes the new node
+first). When no replacement can be placed or built, ``replace`` raises and the
 controller restarts the whole group as before.
 """
 from __future__ import annotations
@@ -57,6 +65,7 @@ from zeroray.runtime.failures import (CollectiveTimeoutError, ErrorKind, Placeme
 from zeroray.runtime.messages import SetupInfo, WorkerSpec
 from zeroray.runtime.sequencer import Ticket
 from zeroray.runtime.snapshot import buddies
+from zeroray.runtime.spares import drop_dead_spares, take_spare
 from zeroray.runtime.worker import CONCURRENCY_GROUPS, ENGINE_THREADS, Worker
 
 log = logging.getLogger("zeroray")
@@ -108,9 +117,11 @@ class WorkerGroup:
         self.survivors: List[int] = []
         self.bundles: List[Optional[int]] = list(range(num_workers))  # per rank: its bundle (None: outside)
         self.spares: List[Any] = []  # warm actors, each (actor, bundle index, its warm call)
+        self._spare_count = spares  # how many spares to keep
         self._scaling, self._threads = scaling, scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
         self._actor_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)  # once: every actor, spares too
         self.collective_timeout_s = spec.zero.collective_timeout_s
+        self._spec = spec  # what a spare warms up for
         self._next_seq = [0] * num_workers  # per worker: the number of its next engine call
         self._numbering = threading.Lock()  # driver threads (a fit, a report) may call at once
         bundle = {"CPU": scaling.cpus_per_worker}
@@ -165,6 +176,7 @@ class WorkerGroup:
     def add_spares(self, count: int) -> None:
         """Spares outside the placement group (after a resize, whose group was placed without
         them so that the old and the new group fit side by side); not waited for."""
+        self._spare_count += count
         for _ in range(count):
             self._add_spare(None)
 
@@ -172,7 +184,7 @@ class WorkerGroup:
         """Start a spare in ``bundle_index`` (None: outside the placement group) and have it load
         what a build imports; not waited for."""
         actor = self._new_actor(-1, bundle_index)
-        self.spares.append((actor, bundle_index, actor.warm.remote()))
+        self.spares.append((actor, bundle_index, actor.warm.remote(self._spec)))
 
     def hold_copies(self, shard_refs: Sequence[Any]) -> int:
         """Have a buddy on another node copy each rank's snapshot shard ([Note: buddy copies] in
@@ -203,35 +215,42 @@ class WorkerGroup:
             raise RuntimeError("replace: the group has no survivors to keep (a zeroray bug)")
         t0 = time.monotonic()
         lost = [r for r in range(self.num_workers) if r not in self.survivors]
-        freed = []
-        used_spares = 0
+        self.spares, freed = drop_dead_spares(self.spares)
+        used_spares = cold_spares = 0
         for rank in lost:
-            freed.append(self.bundles[rank])
-            if self.spares:
-                self.actors[rank], self.bundles[rank], _ = self.spares.pop(0)
+            spare = take_spare(self.spares)
+            if spare is not None:
+                freed.append(self.bundles[rank])
+                self.actors[rank], self.bundles[rank], warm = spare
                 used_spares += 1
-            else:
+                cold_spares += not warm
+            else:  # the new actor takes the lost one's bundle (where Ray places it again if its node died)
                 self.actors[rank] = self._new_actor(rank, self.bundles[rank])
-                freed.pop()  # the new actor takes the lost one's bundle
             self._next_seq[rank] = 0
         try:
-            refs = self.poll("node_info")
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-            if len(ready) < len(refs):
-                raise PlacementError(f"replace: the new worker(s) for rank(s) {lost} did not start within "
-                                     f"{timeout_s:g} s: {_cluster_offer()}")
-            self.nodes = [{**node, "rank": rank} for rank, node in enumerate(self._answers(refs, "start"))]
-            t1 = time.monotonic()
-            master_port = self._answers(self.poll("free_port", ranks=[0]), "re-form the group")[0]
-            spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
-            self.failed, self.survivors = None, []
-            self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0]["ip"], master_port, r)
-                                                                     for r in range(self.num_workers)]),
-                                            None, "re-form the group")
-        finally:
-            for index in freed if self.pg is not None else ():  # spares again, where the lost workers were
+            return self._re_form(spec, timeout_s, lost, t0, used_spares, cold_spares)
+        finally:  # spares again, where the lost workers were; not before the re-form, which they would slow
+            for index in (freed if self.pg is not None else [])[:max(0, self._spare_count - len(self.spares))]:
                 self._add_spare(index)
-        return {"replaced": len(lost), "spares_used": used_spares, "replace_start_s": t1 - t0,
+
+    def _re_form(self, spec: WorkerSpec, timeout_s: float, lost: List[int], t0: float, used_spares: int,
+                 cold_spares: int) -> Dict[str, float]:
+        """``replace``'s second half: wait for the new workers, then the rendezvous and the builds."""
+        refs = self.poll("node_info")
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if len(ready) < len(refs):
+            raise PlacementError(f"replace: the new worker(s) for rank(s) {lost} did not start within "
+                                 f"{timeout_s:g} s: {_cluster_offer()}")
+        self.nodes = [{**node, "rank": rank} for rank, node in enumerate(self._answers(refs, "start"))]
+        t1 = time.monotonic()
+        master_port = self._answers(self.poll("free_port", ranks=[0]), "re-form the group")[0]
+        spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
+        self.failed, self.survivors = None, []
+        self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0]["ip"], master_port, r)
+                                                                 for r in range(self.num_workers)]),
+                                        None, "re-form the group")
+        return {"replaced": len(lost), "spares_used": used_spares, "cold_spares": cold_spares,
+                "replace_start_s": t1 - t0,
                 "setup_s": time.monotonic() - t1, "rendezvous_s": max(i.rendezvous_s for i in self.setup_info),
                 "build_s": max(i.build_s for i in self.setup_info)}
 
@@ -454,3 +473,4 @@ class WorkerGroup:
             return
         log.warning("zeroray: %s; shutting the worker group down", reason)
         self.shutdown()
+

@@ -1,0 +1,63 @@
+"""Warm spare workers: which one a replacement takes, and which are dead.
+
+A spare is ``(actor, bundle index or None, its warm call's ref)``, kept by the WorkerGroup in
+start order; see [Note: replace, don't restart] in worker_group.py for why spares exist and
+when they are started.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import ray
+
+Spare = Tuple[Any, Optional[int], Any]
+
+# How long a replacement waits for a warm spare to answer a poll before dropping it as dead: a
+# live one answers on its control thread within a round trip.
+_SPARE_PING_S = 2.0
+
+
+def take_spare(spares: List[Spare]) -> Optional[Tuple[Any, Optional[int], bool]]:
+    """Remove from ``spares`` the one to put in a lost rank and return it as (actor, bundle index,
+    whether it was warm): a warm one first (its warm call returned); else the one started
+    first (further along than a new actor would be); None when there is none."""
+    if not spares:
+        return None
+    refs = [ref for _, _, ref in spares]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    warm = [i for i, ref in enumerate(refs) if ref in ready]
+    actor, bundle, _ = spares.pop(warm[0] if warm else 0)
+    return actor, bundle, bool(warm)
+
+
+def drop_dead_spares(spares: List[Spare]) -> Tuple[List[Spare], List[Optional[int]]]:
+    """The spares to keep, and the bundles of those dropped (killed): the ones whose warm call
+    failed, whose node is gone, or that no longer answer a poll (their process died after
+    warming). Taking one of those would fail the re-form; a cold one is not judged yet."""
+    refs = [ref for _, _, ref in spares]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} if ready else set()
+    pings = {ref: actor.node_info.remote() for actor, _, ref in spares if ref in ready}
+    answered = ray.wait(list(pings.values()), num_returns=len(pings), timeout=_SPARE_PING_S)[0] if pings else []
+    dead, kept = [], []
+    for actor, bundle, ref in spares:
+        if ref in ready and (_node_of(ref) not in alive_nodes or pings[ref] not in answered
+                             or _node_of(pings[ref]) is None):
+            dead.append(bundle)
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        else:
+            kept.append((actor, bundle, ref))
+    return kept, dead
+
+
+def _node_of(ref: Any) -> Optional[str]:
+    """The node a spare's finished call (warm, or a node_info poll) names; None when it raised
+    (the spare died)."""
+    try:
+        out = ray.get(ref)
+    except Exception:  # noqa: BLE001 - any failure: the spare is unusable
+        return None
+    return out["node_id"] if isinstance(out, dict) else out
