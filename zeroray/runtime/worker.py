@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
+import logging
 import os
 import socket
 import threading
@@ -24,6 +25,8 @@ from zeroray.memory.process import ProcessMemory, current_rss_bytes
 from zeroray.runtime.batch_transport import unpack
 from zeroray.runtime.messages import Hops, SetupInfo, SplitInfo, StepOutput, WorkerSpec
 from zeroray.runtime.sequencer import Cancelled, Sequencer, Ticket
+
+log = logging.getLogger("zeroray")
 
 # Concurrency groups of the actor class (worker_group.py passes them to ray.remote): the engine
 # calls wait for their turn on the default group's threads (a running step, the step queued
@@ -72,6 +75,9 @@ class Worker:
         self._staged = None  # recovery: the state stage_snapshot assembled, until apply_snapshot
         self._copy = None  # another rank's snapshot shard held here ([Note: buddy copies] in runtime/snapshot.py)
         self._copy_done: Optional[threading.Event] = None  # set once the last snapshot's copy is done
+        # A spare's throwaway build (warm) and its real one (setup) both touch torch's global state
+        # (the default generator, seeded by every Engine): never at once.
+        self._building = threading.Lock()
         self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/local_feed.py)
         self.memory = ProcessMemory()  # before the model: the baseline; engine work on one thread
 
@@ -111,16 +117,17 @@ class Worker:
         from zeroray.config import ZeroConfig
         from zeroray.engine.engine import Engine
 
-        if self.rank >= 0:  # taken already (setup gave it a rank): its real build does the rest, not beside it
-            return ray.get_runtime_context().get_node_id()
-        zero = ZeroConfig(stage=spec.zero.stage, dtype=spec.zero.dtype)
-        try:
-            engine = Engine(lambda: torch.nn.Linear(4, 4), _throwaway_loss, spec.optimizer, zero, SoloGroup())
-            engine.train_step((torch.ones(2, 4),))
-            engine.close()
-        except Exception as error:  # noqa: BLE001 - a spare warms what it can; its real build says what is wrong
-            print(f"zeroray: a spare's throwaway build failed ({type(error).__name__}: {error}); it stays a "
-                  "spare, only less warm")
+        with self._building:
+            if self.rank >= 0:  # taken already (setup gave it a rank): its real build does the rest
+                return ray.get_runtime_context().get_node_id()
+            zero = ZeroConfig(stage=spec.zero.stage, dtype=spec.zero.dtype)
+            try:
+                engine = Engine(lambda: torch.nn.Linear(4, 4), _throwaway_loss, spec.optimizer, zero, SoloGroup())
+                engine.train_step((torch.ones(2, 4),))
+                engine.close()
+            except Exception as error:  # noqa: BLE001 - a spare warms what it can; its real build says what is wrong
+                log.warning("zeroray: a spare's throwaway build failed (%s: %s); it stays a spare, only less warm",
+                            type(error).__name__, error)
         return ray.get_runtime_context().get_node_id()
 
     @ray.method(concurrency_group="copy")
@@ -158,9 +165,10 @@ class Worker:
         self.group = make_torch_group(backend, self.rank, self.world_size, master_addr, master_port,
                                       timeout_s=zero.collective_timeout_s, store_prefix=spec.group_name)
         t0 = time.perf_counter()
-        self.engine = self.memory.build(Engine, spec.model_fn, spec.loss_fn, spec.optimizer, zero,
-                                        self.group, seed=spec.seed, device=device,
-                                        param_groups=spec.param_groups, scheduler=spec.scheduler)
+        with self._building:  # a spare taken while warming: its throwaway build ends first (self.rank is set)
+            self.engine = self.memory.build(Engine, spec.model_fn, spec.loss_fn, spec.optimizer, zero,
+                                            self.group, seed=spec.seed, device=device,
+                                            param_groups=spec.param_groups, scheduler=spec.scheduler)
         state_layout, state_rank = self.engine.state_layout()
         return SetupInfo(layout=self.engine.layout, state_layout=state_layout, state_rank=state_rank,
                          # keep_vars: stage 3's trainable parameters hold no values between steps
