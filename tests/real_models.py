@@ -34,11 +34,11 @@ class MHABlock(nn.Module):
 
 
 class MHAGPT(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, block: type = MHABlock) -> None:  # block: another block of the same shape
         super().__init__()
         self.tok = nn.Embedding(VOCAB, WIDTH)
         self.pos = nn.Embedding(SEQ, WIDTH)
-        self.blocks = nn.ModuleList(MHABlock() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(block() for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
 

@@ -12,7 +12,7 @@ import zeroray as zr
 from tests.dist.harness import run_engines
 from tests.dist.test_engine_parity import assert_parity
 from tests.models import reference_run
-from tests.real_models import HEADS, LAYERS, SEQ, VOCAB, WIDTH, mha_gpt, real_batches, real_loss
+from tests.real_models import HEADS, MHAGPT, WIDTH, mha_gpt, real_batches, real_loss
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1, eps=1e-5)  # test_real_models' (eps: attention's key bias)
 STEPS = 4
@@ -38,20 +38,9 @@ class HandBlock(nn.Module):
         return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
 
 
-class HandGPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, WIDTH)
-        self.pos = nn.Embedding(SEQ, WIDTH)
-        self.blocks = nn.ModuleList(HandBlock() for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+def hand_gpt() -> nn.Module:
+    """tests.real_models.MHAGPT with HandBlock blocks."""
+    return MHAGPT(block=HandBlock)
 
 
 def test_an_mha_model_gathers_its_blocks_like_a_hand_written_one():
@@ -61,7 +50,7 @@ def test_an_mha_model_gathers_its_blocks_like_a_hand_written_one():
     # A window of one and a half blocks: the schedule slides, so the positions where it issues matter.
     zero = zr.ZeroConfig(stage=3, prefetch_bytes=block_bytes * 3 // 2)
     runs = run_engines(world, [dict(model_fn=m, loss_fn=real_loss, optimizer=zr.AdamW(**ADAMW), zero=zero,
-                                    batches=batches) for m in (mha_gpt, HandGPT)])
+                                    batches=batches) for m in (mha_gpt, hand_gpt)])
 
     def per_step(results):  # after the first (negotiated) step: (all-gathers, units gathered on demand)
         return [(r["collectives"]["all_gather"]["calls"], r["fetch"]["on_demand"])
