@@ -9,7 +9,8 @@ def test_port_is_below_the_ephemeral_range_and_bindable():
     lo, hi = ephemeral_range()
     assert lo <= hi
     ports = {free_port() for _ in range(20)}
-    assert all(p < lo for p in ports), (ports, lo)
+    if lo > 10000 + 64:  # room below the range (Linux's default starts at 32768)
+        assert all(p < lo for p in ports), (ports, lo)
     assert len(ports) > 1  # drawn, not a fixed number two drivers would share
     for port in list(ports)[:3]:
         with socket.socket() as s:
