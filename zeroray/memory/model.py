@@ -158,8 +158,7 @@ def held_state_bytes(num_params: Union[int, float], num_workers: int, stage: int
     held = states(stage)
     optimizer_term = held.optimizer
     if offload_chunk_bytes is not None:
-        shard = held.optimizer // max(optimizer_state_bytes_per_param(optimizer, dtype), 1)
-        optimizer_term = offload_buffer_bytes(shard, dtype, optimizer, offload_chunk_bytes)
+        optimizer_term = offloaded_optimizer_bytes(held.optimizer, dtype, optimizer, offload_chunk_bytes)
     return ModelStateBytes(held.params, states(2).grads if stage == 1 else held.grads, optimizer_term)
 
 
@@ -193,6 +192,13 @@ def offload_buffer_bytes(shard_numel: int, dtype: str, optimizer: OptimizerLike,
     return OFFLOAD_SLOTS * files * 4 * offload_chunk_elements(chunk_bytes, files, shard_numel)
 
 
+def offloaded_optimizer_bytes(optimizer_bytes: int, dtype: str, optimizer: OptimizerLike, chunk_bytes: int) -> int:
+    """The optimizer term with ``offload="disk"``: the disk tier's buffers over the shard whose
+    in-memory optimizer term is ``optimizer_bytes`` (:func:`offload_buffer_bytes`)."""
+    shard = optimizer_bytes // max(optimizer_state_bytes_per_param(optimizer, dtype), 1)
+    return offload_buffer_bytes(shard, dtype, optimizer, chunk_bytes)
+
+
 def estimate_memory(num_params: Union[int, float], num_workers: int, stage: int,
                     dtype: str = "fp16", optimizer: OptimizerLike = "adam",
                     grad_dtype: Optional[str] = None, snapshot: bool = False,
@@ -208,8 +214,7 @@ def estimate_memory(num_params: Union[int, float], num_workers: int, stage: int,
     held = model_state_bytes(num_params, num_workers, stage, dtype, optimizer, grad_dtype)
     total = held.total
     if offload == "disk":
-        shard = held.optimizer // max(optimizer_state_bytes_per_param(optimizer, dtype), 1)
-        total += offload_buffer_bytes(shard, dtype, optimizer, offload_chunk_bytes) - held.optimizer
+        total += offloaded_optimizer_bytes(held.optimizer, dtype, optimizer, offload_chunk_bytes) - held.optimizer
     return total + (snapshot_bytes(num_params, num_workers, optimizer) if snapshot else 0)
 
 

@@ -202,9 +202,8 @@ class DiskStepper:
                 state = self._step_chunk(inner, group_of[id(pc.param)], pc, a, b, grads[id(pc.param)],
                                          slot, stateful[id(pc.param)])
                 writes[i] = [self.files.write(k, a, state.pop(k)) for k in self.keys if k in state]
-                if self.target is not None:
-                    with torch.no_grad():  # the update, into the memory compute reads (cast as a publish casts)
-                        self.target.write(a, slot[MASTER][:b - a])
+                if self.target is not None:  # the update, into the memory compute reads (cast as a publish casts)
+                    self.target.write(a, slot[MASTER][:b - a])
                     writes[i].append(self.files.write(MASTER, a, slot[MASTER][:b - a]))
                 if b == pc.end:
                     inner.state[pc.param] = state  # the scalars: every chunk of the piece agrees

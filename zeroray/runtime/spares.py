@@ -23,9 +23,8 @@ def take_spare(spares: List[Spare]) -> Optional[Tuple[Any, Optional[int], bool]]
     first (further along than a new actor would be); None when there is none."""
     if not spares:
         return None
-    refs = [ref for _, _, ref in spares]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-    warm = [i for i, ref in enumerate(refs) if ref in ready]
+    ready = _warm(spares)
+    warm = [i for i, (_, _, ref) in enumerate(spares) if ref in ready]
     actor, bundle, _ = spares.pop(warm[0] if warm else 0)
     return actor, bundle, bool(warm)
 
@@ -34,8 +33,7 @@ def drop_dead_spares(spares: List[Spare]) -> Tuple[List[Spare], List[Optional[in
     """The spares to keep, and the bundles of those dropped (killed): the ones whose warm call
     failed, whose node is gone, or that no longer answer a poll (their process died after
     warming). Taking one of those would fail the re-form; a cold one is not judged yet."""
-    refs = [ref for _, _, ref in spares]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    ready = _warm(spares)
     alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} if ready else set()
     pings = {ref: actor.node_info.remote() for actor, _, ref in spares if ref in ready}
     answered = ray.wait(list(pings.values()), num_returns=len(pings), timeout=_SPARE_PING_S)[0] if pings else []
@@ -51,6 +49,12 @@ def drop_dead_spares(spares: List[Spare]) -> Tuple[List[Spare], List[Optional[in
         else:
             kept.append((actor, bundle, ref))
     return kept, dead
+
+
+def _warm(spares: List[Spare]) -> List[Any]:
+    """The warm calls of ``spares`` that have returned (not waited for)."""
+    refs = [ref for _, _, ref in spares]
+    return ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else []
 
 
 def _node_of(ref: Any) -> Optional[str]:

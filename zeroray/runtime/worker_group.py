@@ -473,4 +473,3 @@ class WorkerGroup:
             return
         log.warning("zeroray: %s; shutting the worker group down", reason)
         self.shutdown()
-
