@@ -8,7 +8,8 @@
 Each argument is a row run in the same WORLD (2) spawned gloo processes, one after another: ``ddp``,
 ``coll`` (13 MB all-reduce / reduce-scatter / all-gather), or ``s<stage>`` optionally followed
 by ZeroConfig overrides as JSON. Per row it prints rank 0's medians over the timed steps, in
-seconds: fwd (loss_fn), bwd (the rest: backward with the gradient hooks, and the step's status
+seconds: cpu (the process's CPU time over the step, every thread: on a loaded machine it still
+says what a step costs, where wall time says how the cores were shared), fwd (loss_fn), bwd (the rest: backward with the gradient hooks, and the step's status
 all-reduce), finish (the last buckets), norm (this rank's squared norm), opt, publish (stages 1-2
 gather launch), total; for zeroray also ``exposed`` and ``comm``
 (comm_report's exposed_s and comm_s), the step's collectives by kind (``n_*``: calls), the stage 3
@@ -100,13 +101,13 @@ def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, ov
         if profiling:
             profile.enable()
         offload_before = engine.offload_stats()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         engine.train_step(worker_slice(batch, rank, spec))
-        total = time.perf_counter() - t0
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
         offload_after = engine.offload_stats()
         if profiling:
             profile.disable()
-        row = {**phases, "total": total, "bwd": total - sum(phases.values())}
+        row = {**phases, "total": total, "bwd": total - sum(phases.values()), "cpu": cpu}
         row.update({"c_" + k: v for k, v in engine.fetch_stats().items()})
         row["exposed"], row["comm"] = group.counter.wait_s, group.counter.comm_s
         # this step's collectives by kind (n_all_gather: stage 3's gathers, on demand and prefetched)
@@ -132,7 +133,7 @@ def ddp_row(rank: int, world: int, port: int, spec: BenchSpec) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
     rows = []
     for batch in global_batches(spec):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = gpt_loss(model, worker_slice(batch, rank, spec))
         t1 = time.perf_counter()
@@ -141,7 +142,7 @@ def ddp_row(rank: int, world: int, port: int, spec: BenchSpec) -> dict:
         optimizer.step()
         loss.item()
         t3 = time.perf_counter()
-        rows.append({"fwd": t1 - t0, "bwd": t2 - t1, "opt": t3 - t2, "total": t3 - t0})
+        rows.append({"fwd": t1 - t0, "bwd": t2 - t1, "opt": t3 - t2, "total": t3 - t0, "cpu": time.process_time() - c0})
     dist.destroy_process_group()
     return _medians(rows, spec.warmup_steps)
 

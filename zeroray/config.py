@@ -53,7 +53,8 @@ class ZeroConfig:
         since its first gradient arrived, as planned from the gradients' measured arrival in
         earlier steps, so that every worker cuts the same buckets. With bucket_bytes="auto",
         None means an eighth of the measured backward.
-    prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use. None
+    prefetch_bytes: stage 3, bytes of upcoming modules' parameters gathered ahead of use (each
+        unit counted once, however often the trace ahead uses it). None
         (default): sized from the model, the bytes of its largest unit (the grain of gathers,
         see zeroray/layout/arena.py), so that every unit can be gathered ahead of its use, but never
         less than one coalescing bucket (bucket_bytes): a smaller window saves less memory than

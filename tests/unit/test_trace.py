@@ -31,6 +31,18 @@ def test_a_model_inside_the_prefetch_window_is_gathered_once_and_kept():
     assert all(not p.release for p in s.positions)
 
 
+def test_the_window_counts_each_unit_once_so_a_model_as_large_as_it_is_gathered_once():
+    # [Note: window of distinct units]: the window is the model's size exactly. Counting every use
+    # (forward and backward) made it look 500 bytes long after block 0's forward: block 0 was
+    # freed there and gathered again for its backward.
+    s = build(prefetch_bytes=300)
+    assert gathered_units(s) == [0, 1, 2]
+    assert all(not p.release for p in s.positions)
+    # one byte less and the model no longer fits: block 0 goes after its forward and comes back
+    s = build(prefetch_bytes=299)
+    assert gathered_units(s).count(0) == 2 and any(0 in p.release for p in s.positions)
+
+
 def test_without_prefetch_or_reuse_every_use_gathers_on_demand_and_forward_frees():
     s = build(prefetch=False)
     assert gathered_units(s) == [0, 1, 2, 2, 1, 0]  # the paper's 3 passes: forward, backward

@@ -88,10 +88,9 @@ class Schedule:
         needs = [event_needs(e, module_needs) for e in events]
         n = len(events)
         # uses_before[i]: need-bearing events before position i (reuse_distance counts those)
-        uses_before, cum_bytes = [0], [0]
+        uses_before = [0]
         for i in range(n):
             uses_before.append(uses_before[-1] + (1 if needs[i] else 0))
-            cum_bytes.append(cum_bytes[-1] + sum(unit_bytes[u] for u in needs[i]))
         next_use: List[Dict[int, int]] = [dict() for _ in range(n)]  # after position i: unit -> position
         last: Dict[int, int] = {}
         for i in range(n - 1, -1, -1):
@@ -119,8 +118,9 @@ class Schedule:
                 return False
             if uses_before[nxt] - (uses_before[i] - 1) <= reuse_distance:
                 return True
-            ahead = cum_bytes[nxt] - cum_bytes[i + 1] + unit_bytes[u]
-            return prefetch and ahead <= prefetch_bytes and live() <= max_live_bytes
+            if not prefetch or live() > max_live_bytes:
+                return False
+            return _distinct_bytes(needs, i + 1, nxt, unit_bytes, u, prefetch_bytes) <= prefetch_bytes
 
         for i, (kind, index) in enumerate(events):
             on_demand: List[Tuple[int, ...]] = []
@@ -198,13 +198,15 @@ class Holds:
 def _prefetch(i: int, needs: List[Tuple[int, ...]], alive: set, unit_bytes: Sequence[int],
               prefetch_bytes: int, max_live_bytes: int, live: int) -> List[int]:
     """Units of the events after ``i`` to start gathering now: in trace order, while the bytes
-    of upcoming events' units stay within ``prefetch_bytes`` and the gathered bytes within
-    ``max_live_bytes``; stops at the first unit that does not fit."""
-    budget, todo = 0, []
+    of the distinct units upcoming events need stay within ``prefetch_bytes`` ([Note: window
+    of distinct units]) and the gathered bytes within ``max_live_bytes``; stops at the first
+    unit that does not fit."""
+    budget, todo, seen = 0, [], set()
     for j in range(i + 1, len(needs)):
         for u in needs[j]:
-            if u in todo:
+            if u in seen:
                 continue
+            seen.add(u)
             nbytes = unit_bytes[u]
             if u not in alive:
                 if budget + nbytes > prefetch_bytes or live + nbytes > max_live_bytes:
@@ -213,3 +215,28 @@ def _prefetch(i: int, needs: List[Tuple[int, ...]], alive: set, unit_bytes: Sequ
                 live += nbytes
             budget += nbytes
     return todo
+
+
+def _distinct_bytes(needs: List[Tuple[int, ...]], start: int, stop: int, unit_bytes: Sequence[int], unit: int,
+                    limit: int) -> int:
+    """The bytes of ``unit`` and of the distinct units events ``start..stop-1`` need (counting
+    stops once past ``limit``).
+
+    [Note: window of distinct units]
+    The prefetch window measures the trace ahead in the bytes of the *distinct* units it
+    needs, each counted once however often it is used: that is the memory those units hold if
+    they are all gathered, and so what ``prefetch_bytes`` bounds. Counting every use instead
+    (a block's units at its forward and again at its backward) made the window shorter than
+    its memory: a model smaller than the window still had its first block freed after the
+    forward and gathered again for the backward, an all-gather more per step although the
+    whole model was gathered at the turn anyway. The prefetcher and the rule that keeps a
+    unit gathered (its next use inside the window) count alike."""
+    seen, total = {unit}, unit_bytes[unit]
+    for j in range(start, stop):
+        for v in needs[j]:
+            if v not in seen:
+                seen.add(v)
+                total += unit_bytes[v]
+                if total > limit:
+                    return total
+    return total
