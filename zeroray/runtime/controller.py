@@ -545,9 +545,11 @@ class Controller:
             old = self.group
             scaling = ScalingConfig(**{**vars(self.scaling), "num_workers": num_workers,
                                        "min_workers": min(self.scaling.min_workers or num_workers, num_workers)})
+            old.release_spares()  # what they hold is the new group's room ([Note: spare placement] in worker_group.py)
             try:
-                new = WorkerGroup(self.spec, num_workers, scaling)  # spares once the old group is gone
+                new = WorkerGroup(self.spec, num_workers, scaling, spares=self.spares, start_spares=False)
             except (PlacementError, WorkerSetupError) as error:
+                old.start_spares()
                 raise type(error)(
                     f"resize({num_workers}) did not happen, and the Trainer goes on with its {old.num_workers} "
                     f"worker(s), unchanged: {error}\nA resize starts the new workers before it releases the old "
@@ -557,9 +559,10 @@ class Controller:
                 steps = self._move_state(old, new)
             except BaseException:
                 new.shutdown()
+                old.start_spares()
                 raise
             old.shutdown()
-            new.add_spares(self.spares)
+            new.start_spares()  # once the old group is gone: its resources are theirs
             self._adopt(new)
             self.scaling = scaling
             self.step_count = steps[0]
