@@ -18,15 +18,17 @@ def _run(spares):
                     zero=zr.ZeroConfig(stage=3, collective_timeout_s=10.0),
                     scaling=zr.ScalingConfig(num_workers=2, cpus_per_worker=1.5, placement_timeout_s=20.0),
                     failure=zr.FailureConfig(max_failures=1, snapshot_every=1, spares=spares)) as trainer:
-        losses = [r.loss for r in trainer.fit(batches[:CYCLE], progress=False)]
-        for workers, start in ((3, CYCLE), (2, 2 * CYCLE)):
+        losses = [r.loss for r in trainer.fit(batches, num_steps=CYCLE, progress=False)]
+        for workers in (3, 2):
             trainer.resize(workers)
             assert trainer.num_workers == workers
             group = trainer.controller.group
             assert len(group.spares) == spares
             assert group.spares_warm(120), "the spares did not come back after the resize"
-            losses += [r.loss for r in trainer.fit(batches[start:start + CYCLE], progress=False)]
+            # fit goes on from the data position: the next CYCLE batches
+            losses += [r.loss for r in trainer.fit(batches, num_steps=CYCLE, progress=False)]
         state = trainer.state_dict()
+    assert len(losses) == 3 * CYCLE
     return losses, state
 
 

@@ -26,26 +26,45 @@ of those three kinds of failure, the driver kills only the workers that are dead
 answer within the grace (hung, or blocked in a collective with a hung peer) and keeps the
 others, the *survivors*, whose call came back with an error. ``replace`` then puts a worker in
 each lost rank: a warm spare when there is one (``FailureConfig(spares=k)``: actors started
-after the group, each in a placement group of its own ([Note: spare placement]), their Python, torch and the lazy imports of a first
-build already loaded, so taking one costs no process start), otherwise a new actor in the
-lost rank's bundle. Then every worker, survivors included, joins a new collective group at
-the same size (a new rendezvous: the old group's connections are broken) and builds its
-engine again in its own process. Survivors rebuild instead of reusing their engine because
-the failed step may have stopped anywhere: inside a collective, with buckets in flight,
-units gathered, gradients half reduced or the update half published; a new engine from
-``model_fn`` holds none of that. The controller then loads the snapshot into every worker
-(the survivors roll back to it as well, since their step may have half-applied), so at most
-the failed step is redone. A spare taken is made good in the background, in the bundle the
-lost worker left, once the group is re-formed (started sooner, its process start and imports
-would slow the re-form, and where the lost worker's node died, take the CPU of the node that
-joins before the replacement does). Which spare: a warm one (its ``warm`` call returned) before a cold one, since a cold one
-still has its imports ahead of it, and a cold one before a new actor, which has its process
-start ahead as well; a spare whose call failed, whose node is gone or that no longer answers is
-dropped and started again. A lost rank whose bundle's node died keeps that bundle, which Ray places again: a new
-actor outside the placement group was tried and was slower on the local multi-node cluster
-(no CPU is free outside the group until a node joins, and the bundle takes the new node
-first). When no replacement can be placed or built, ``replace`` raises and the
-controller restarts the whole group as before.
+after the group, each in a placement group of its own ([Note: spare placement]), their Python,
+torch and the lazy imports of a first build already loaded, so taking one costs no process
+start), otherwise a new actor in the lost rank's bundle. Then every worker, survivors included,
+joins a new collective group at the same size (a new rendezvous: the old group's connections
+are broken) and builds its engine again in its own process. Survivors rebuild instead of
+reusing their engine because the failed step may have stopped anywhere: inside a collective,
+with buckets in flight, units gathered, gradients half reduced or the update half published; a
+new engine from ``model_fn`` holds none of that. The controller then loads the snapshot into
+every worker (the survivors roll back to it as well, since their step may have half-applied),
+so at most the failed step is redone. A spare taken is made good in the background, in the
+bundle the lost worker left, once the group is re-formed (started sooner, its process start and
+imports would slow the re-form, and where the lost worker's node died, take the CPU of the node
+that joins before the replacement does). Which spare: a warm one (its ``warm`` call returned)
+before a cold one, since a cold one still has its imports ahead of it, and a cold one before a
+new actor, which has its process start ahead as well; a spare whose call failed, whose node is
+gone or that no longer answers is dropped and started again. A lost rank whose bundle's node
+died keeps that bundle, which Ray places again: a new actor outside the placement group was
+tried and was slower on the local multi-node cluster (no CPU is free outside the group until a
+node joins, and the bundle takes the new node first). When no replacement can be placed or
+built, ``replace`` raises and the controller shrinks the group to its survivors ([Note: shrink
+in memory]) where the scaling policy allows, or restarts the whole group as before.
+
+[Note: shrink in memory]
+A lost worker whose replacement cannot be placed within ``placement_timeout_s`` (its node
+died and no other node has room for its bundle, and no spare is left) need not stop the run
+until the cluster grows: where the survivors are at least ``ScalingConfig.min_workers``
+(``ScalingPolicy.on_lost``), ``shrink`` keeps them, renumbered in rank order, and they join
+a new collective group of their own number, each building its engine for the smaller world
+(``Worker.setup``'s ``world_size``). The controller then loads the in-memory snapshot into
+them as it does after a replacement: each worker fetches the old shards that hold its slices
+of the new layout, the lost rank's included (from its buddy's copy where its node died), the
+same range math as a resize ([Note: resize transfer] in state_transfer.py). So the state is
+resharded from N to N-1 in memory, and at most the failed step is redone. Without snapshots
+no survivor is kept, and where the snapshot is lost (a worker and its buddy both died) the
+disk checkpoint is loaded into the shrunk group instead, as a restart does. The lost rank's
+bundle in a shared placement group stays reserved, empty, until the group ends (Ray cannot
+drop one bundle); with spares it was a placement group of its own and is removed. A lower
+``min_workers`` than ``num_workers`` is what allows it: by default the group waits for its
+full size, as before.
 
 [Note: spare placement]
 A spare must never stand in the way of the group it serves: a resize places its new group
@@ -315,6 +334,25 @@ class WorkerGroup:
             for slot in freed[keep:]:
                 self._release(slot)
 
+    def shrink(self, spec: WorkerSpec, timeout_s: float) -> Dict[str, float]:
+        """Re-form the group of the survivors alone, renumbered in rank order, every one building
+        its engine again for the smaller world ([Note: shrink in memory]). The lost ranks' workers
+        (a replacement that could not start included) are killed and their slots released.
+        Returns the seconds of each phase; a worker failure during it raises as ``wait_all`` does."""
+        if self.failed is None or not self.survivors:
+            raise RuntimeError("shrink: the group has no survivors to keep (a zeroray bug)")
+        t0 = time.monotonic()
+        keep = sorted(self.survivors)
+        lost = [r for r in range(self.num_workers) if r not in keep]
+        for rank in lost:
+            _kill(self.actors[rank])
+            self._release(self.bundles[rank])
+        self.actors = [self.actors[r] for r in keep]
+        self.bundles = [self.bundles[r] for r in keep]
+        self._next_seq = [self._next_seq[r] for r in keep]
+        self.num_workers = len(keep)
+        return {**self._re_form(spec, timeout_s, lost, t0, 0, 0), "replaced": 0, "shrunk_from": len(keep) + len(lost)}
+
     def _re_form(self, spec: WorkerSpec, timeout_s: float, lost: List[int], t0: float, used_spares: int,
                  cold_spares: int) -> Dict[str, float]:
         """``replace``'s second half: wait for the new workers, then the rendezvous and the builds."""
@@ -328,7 +366,8 @@ class WorkerGroup:
         master_port = self._answers(self.poll("free_port", ranks=[0]), "re-form the group")[0]
         spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
         self.failed, self.survivors = None, []
-        self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0]["ip"], master_port, r)
+        self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0]["ip"], master_port, r,
+                                                                  self.num_workers)
                                                                  for r in range(self.num_workers)]),
                                         None, "re-form the group")
         return {"replaced": len(lost), "spares_used": used_spares, "cold_spares": cold_spares,
