@@ -234,7 +234,9 @@ class ScalingConfig:
     """How many workers and what each gets.
 
     min_workers: after a failure, training continues with as many workers as the cluster
-        offers, down to this many (None: num_workers, i.e. wait for the full size).
+        offers, down to this many (None: num_workers, i.e. wait for the full size); with
+        in-memory snapshots, the survivors go on alone when no replacement can be placed
+        ([Note: shrink in memory] in runtime/worker_group.py).
     """
 
     num_workers: int = 2
@@ -280,8 +282,8 @@ class FailureConfig:
     With snapshots, a failure keeps the surviving workers: only the lost ones are replaced, the
     collective group is re-formed at the same size and every worker loads the snapshot.
 
-    spares: warm spare workers kept beside the group (0: none), each in a placement-group bundle
-    of its own (the resources of one more worker: ``cpus_per_worker`` CPUs, and a GPU with
+    spares: warm spare workers kept beside the group (0: none), each in a placement group of
+    its own, released for a resize and started again after it (the resources of one more worker: ``cpus_per_worker`` CPUs, and a GPU with
     ``use_gpu``) and a process with torch loaded; a replacement takes a spare instead of
     starting a process, and a new spare starts in the background. Used with ``snapshot_every``.
     """

@@ -118,3 +118,12 @@ def test_scaling_policy_counts_gpus():
     decision = policy.on_restart(free_cpus=16, free_gpus=2)
     assert decision.action is Action.RESIZE and decision.num_workers == 2
     assert policy.workers_for(free_cpus=16, free_gpus=0) == 1  # min_workers; placement then waits
+
+
+def test_scaling_policy_goes_on_with_the_survivors_down_to_min_workers():
+    policy = ScalingPolicy(target=3, minimum=2, cpus_per_worker=1, use_gpu=False)
+    decision = policy.on_lost(survivors=2)
+    assert decision.action is Action.RESIZE and decision.num_workers == 2 and "min_workers=2" in decision.reason
+    assert policy.on_lost(survivors=1).action is Action.RESTART
+    # Without min_workers the group waits for its full size, as before.
+    assert ScalingPolicy(target=3, minimum=None, cpus_per_worker=1, use_gpu=False).on_lost(2).action is Action.RESTART

@@ -367,16 +367,23 @@ class Controller:
     def _replace(self, scaling: ScalingPolicy, reason: str, note: Callable[[str], None]) -> Dict[str, Any]:
         """Keep the survivors, put new workers (spares first) in the lost ranks, re-form the group
         and load the snapshot into every worker ([Note: replace, don't restart] in worker_group.py).
-        When the new workers cannot be placed or built, restart the whole group instead."""
+        When the new workers cannot be placed, go on with the survivors alone where the scaling
+        policy allows ([Note: shrink in memory]); otherwise, or when they cannot be built, restart
+        the whole group."""
         t0 = time.monotonic()
         self.in_flight = 0
+        timeout_s = self.scaling.placement_timeout_s
         try:
-            timings: Dict[str, Any] = {"mode": "replace", **self.group.replace(
-                self.spec, self.scaling.placement_timeout_s)}
+            timings: Dict[str, Any] = {"mode": "replace", **self.group.replace(self.spec, timeout_s)}
         except (PlacementError, WorkerSetupError) as error:
-            note(f"zeroray: replacing the lost worker(s) failed ({type(error).__name__}: "
-                 f"{str(error).splitlines()[0]}); restarting the whole group")
-            return {**self._restart(scaling, reason, note), "replace_failed": str(error).splitlines()[0]}
+            first = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            decision = scaling.on_lost(len(self.group.survivors)) if isinstance(error, PlacementError) else None
+            if decision is None or decision.action is not Action.RESIZE:
+                note(f"zeroray: replacing the lost worker(s) failed ({first}); restarting the whole group")
+                return {**self._restart(scaling, reason, note), "replace_failed": str(error).splitlines()[0]}
+            note(f"zeroray: replacing the lost worker(s) failed ({first}); {decision.reason}")
+            timings = {"mode": "shrink", "replace_failed": str(error).splitlines()[0],
+                       **self.group.shrink(self.spec, timeout_s)}
         self._adopt(self.group)
         return self._restore_after_failure(reason, note, timings, time.monotonic(), t0)
 
@@ -545,9 +552,11 @@ class Controller:
             old = self.group
             scaling = ScalingConfig(**{**vars(self.scaling), "num_workers": num_workers,
                                        "min_workers": min(self.scaling.min_workers or num_workers, num_workers)})
+            old.release_spares()  # what they hold is the new group's room ([Note: spare placement] in worker_group.py)
             try:
-                new = WorkerGroup(self.spec, num_workers, scaling)  # spares once the old group is gone
+                new = WorkerGroup(self.spec, num_workers, scaling, spares=self.spares, start_spares=False)
             except (PlacementError, WorkerSetupError) as error:
+                old.start_spares()
                 raise type(error)(
                     f"resize({num_workers}) did not happen, and the Trainer goes on with its {old.num_workers} "
                     f"worker(s), unchanged: {error}\nA resize starts the new workers before it releases the old "
@@ -557,9 +566,10 @@ class Controller:
                 steps = self._move_state(old, new)
             except BaseException:
                 new.shutdown()
+                old.start_spares()
                 raise
             old.shutdown()
-            new.add_spares(self.spares)
+            new.start_spares()  # once the old group is gone: its resources are theirs
             self._adopt(new)
             self.scaling = scaling
             self.step_count = steps[0]

@@ -2,7 +2,8 @@
 
 The fit loop (fit_loop.py) builds one of each per fit; the Controller acts on their decisions
 (``Controller.recover`` asks the FailurePolicy whether to restart, ``Controller._restart`` asks
-the ScalingPolicy how many workers to restart with). The policies are testable without a
+the ScalingPolicy how many workers to restart with, ``Controller._replace`` whether to go on with
+the survivors when no replacement can be placed). The policies are testable without a
 cluster (tests/unit/test_policy.py). Which errors count as worker failures is decided in
 failures.py (``classify_error``, ``is_worker_failure``), and the Controller passes that verdict
 on (``user_error``); the policy only counts the failures.
@@ -74,6 +75,16 @@ class ScalingPolicy:
 
     def workers_for(self, free_cpus: float, free_gpus: float) -> int:
         return max(self.minimum, min(self.target, self.fits(free_cpus, free_gpus)))
+
+    def on_lost(self, survivors: int) -> Decision:
+        """No replacement could be placed for the lost workers ([Note: shrink in memory] in
+        worker_group.py): go on with the survivors when they are at least min_workers (RESIZE to
+        their number), else RESTART at the size ``on_restart`` decides."""
+        if survivors >= self.minimum:
+            return Decision(Action.RESIZE, f"no replacement could be placed: continue with the {survivors} "
+                                           f"surviving worker(s) (min_workers={self.minimum})", survivors)
+        return Decision(Action.RESTART, f"no replacement could be placed and the {survivors} surviving worker(s) "
+                                        f"are fewer than min_workers={self.minimum}: restart the group")
 
     def on_restart(self, free_cpus: float, free_gpus: float) -> Decision:
         fit = self.fits(free_cpus, free_gpus)

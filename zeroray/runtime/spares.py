@@ -1,8 +1,9 @@
 """Warm spare workers: which one a replacement takes, and which are dead.
 
-A spare is ``(actor, bundle index or None, its warm call's ref)``, kept by the WorkerGroup in
-start order; see [Note: replace, don't restart] in worker_group.py for why spares exist and
-when they are started.
+A spare is ``(actor, its slot, its warm call's ref)``, kept by the WorkerGroup in start order;
+a slot is ``(placement group, bundle index)`` (None: outside any). See [Note: replace, don't
+restart] in worker_group.py for why spares exist and when they are started, and [Note: spare
+placement] for where.
 """
 from __future__ import annotations
 
@@ -10,27 +11,28 @@ from typing import Any, List, Optional, Tuple
 
 import ray
 
-Spare = Tuple[Any, Optional[int], Any]
+Slot = Tuple[Any, int]
+Spare = Tuple[Any, Optional[Slot], Any]
 
 # How long a replacement waits for a warm spare to answer a poll before dropping it as dead: a
 # live one answers on its control thread within a round trip.
 _SPARE_PING_S = 2.0
 
 
-def take_spare(spares: List[Spare]) -> Optional[Tuple[Any, Optional[int], bool]]:
-    """Remove from ``spares`` the one to put in a lost rank and return it as (actor, bundle index,
+def take_spare(spares: List[Spare]) -> Optional[Tuple[Any, Optional[Slot], bool]]:
+    """Remove from ``spares`` the one to put in a lost rank and return it as (actor, slot,
     whether it was warm): a warm one first (its warm call returned); else the one started
     first (further along than a new actor would be); None when there is none."""
     if not spares:
         return None
     ready = _warm(spares)
     warm = [i for i, (_, _, ref) in enumerate(spares) if ref in ready]
-    actor, bundle, _ = spares.pop(warm[0] if warm else 0)
-    return actor, bundle, bool(warm)
+    actor, slot, _ = spares.pop(warm[0] if warm else 0)
+    return actor, slot, bool(warm)
 
 
-def drop_dead_spares(spares: List[Spare]) -> Tuple[List[Spare], List[Optional[int]]]:
-    """The spares to keep, and the bundles of those dropped (killed): the ones whose warm call
+def drop_dead_spares(spares: List[Spare]) -> Tuple[List[Spare], List[Optional[Slot]]]:
+    """The spares to keep, and the slots of those dropped (killed): the ones whose warm call
     failed, whose node is gone, or that no longer answer a poll (their process died after
     warming). Taking one of those would fail the re-form; a cold one is not judged yet."""
     ready = _warm(spares)
@@ -38,16 +40,16 @@ def drop_dead_spares(spares: List[Spare]) -> Tuple[List[Spare], List[Optional[in
     pings = {ref: actor.node_info.remote() for actor, _, ref in spares if ref in ready}
     answered = ray.wait(list(pings.values()), num_returns=len(pings), timeout=_SPARE_PING_S)[0] if pings else []
     dead, kept = [], []
-    for actor, bundle, ref in spares:
+    for actor, slot, ref in spares:
         if ref in ready and (_node_of(ref) not in alive_nodes or pings[ref] not in answered
                              or _node_of(pings[ref]) is None):
-            dead.append(bundle)
+            dead.append(slot)
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
         else:
-            kept.append((actor, bundle, ref))
+            kept.append((actor, slot, ref))
     return kept, dead
 
 

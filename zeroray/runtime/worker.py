@@ -144,10 +144,12 @@ class Worker:
     # --- wiring ----------------------------------------------------------------------------
 
     @engine_call
-    def setup(self, spec: WorkerSpec, master_addr: str, master_port: int, rank: Optional[int] = None) -> SetupInfo:
+    def setup(self, spec: WorkerSpec, master_addr: str, master_port: int, rank: Optional[int] = None,
+              world_size: Optional[int] = None) -> SetupInfo:
         """Join the collective group and build this rank's engine. Again, after a failure: leave
-        the broken group and drop the engine first, and take ``rank`` (a spare's first setup);
-        see [Note: replace, don't restart] in worker_group.py."""
+        the broken group and drop the engine first, and take ``rank`` (a spare's first setup) and
+        ``world_size`` (a group shrunk to its survivors); see [Note: replace, don't restart] and
+        [Note: shrink in memory] in worker_group.py."""
         from zeroray.comm.group import make_torch_group
         from zeroray.engine.engine import Engine
 
@@ -155,6 +157,8 @@ class Worker:
             self._leave_group()
         if rank is not None:
             self.rank = rank
+        if world_size is not None:
+            self.world_size = world_size
         zero = spec.zero
         device = "cpu"
         if self.use_gpu:

@@ -26,26 +26,61 @@ of those three kinds of failure, the driver kills only the workers that are dead
 answer within the grace (hung, or blocked in a collective with a hung peer) and keeps the
 others, the *survivors*, whose call came back with an error. ``replace`` then puts a worker in
 each lost rank: a warm spare when there is one (``FailureConfig(spares=k)``: actors started
-with the group in bundles of their own, their Python, torch and the lazy imports of a first
-build already loaded, so taking one costs no process start), otherwise a new actor in the
-lost rank's bundle. Then every worker, survivors included, joins a new collective group at
-the same size (a new rendezvous: the old group's connections are broken) and builds its
-engine again in its own process. Survivors rebuild instead of reusing their engine because
-the failed step may have stopped anywhere: inside a collective, with buckets in flight,
-units gathered, gradients half reduced or the update half published; a new engine from
-``model_fn`` holds none of that. The controller then loads the snapshot into every worker
-(the survivors roll back to it as well, since their step may have half-applied), so at most
-the failed step is redone. A spare taken is made good in the background, in the bundle the
-lost worker left, once the group is re-formed (started sooner, its process start and imports
-would slow the re-form, and where the lost worker's node died, take the CPU of the node that
-joins before the replacement does). Which spare: a warm one (its ``warm`` call returned) before a cold one, since a cold one
-still has its imports ahead of it, and a cold one before a new actor, which has its process
-start ahead as well; a spare whose call failed, whose node is gone or that no longer answers is
-dropped and started again. A lost rank whose bundle's node died keeps that bundle, which Ray places again: a new
-actor outside the placement group was tried and was slower on the local multi-node cluster
-(no CPU is free outside the group until a node joins, and the bundle takes the new node
-first). When no replacement can be placed or built, ``replace`` raises and the
-controller restarts the whole group as before.
+after the group, each in a placement group of its own ([Note: spare placement]), their Python,
+torch and the lazy imports of a first build already loaded, so taking one costs no process
+start), otherwise a new actor in the lost rank's bundle. Then every worker, survivors included,
+joins a new collective group at the same size (a new rendezvous: the old group's connections
+are broken) and builds its engine again in its own process. Survivors rebuild instead of
+reusing their engine because the failed step may have stopped anywhere: inside a collective,
+with buckets in flight, units gathered, gradients half reduced or the update half published; a
+new engine from ``model_fn`` holds none of that. The controller then loads the snapshot into
+every worker (the survivors roll back to it as well, since their step may have half-applied),
+so at most the failed step is redone. A spare taken is made good in the background, in the
+bundle the lost worker left, once the group is re-formed (started sooner, its process start and
+imports would slow the re-form, and where the lost worker's node died, take the CPU of the node
+that joins before the replacement does). Which spare: a warm one (its ``warm`` call returned)
+before a cold one, since a cold one still has its imports ahead of it, and a cold one before a
+new actor, which has its process start ahead as well; a spare whose call failed, whose node is
+gone or that no longer answers is dropped and started again. A lost rank whose bundle's node
+died keeps that bundle, which Ray places again: a new actor outside the placement group was
+tried and was slower on the local multi-node cluster (no CPU is free outside the group until a
+node joins, and the bundle takes the new node first). When no replacement can be placed or
+built, ``replace`` raises and the controller shrinks the group to its survivors ([Note: shrink
+in memory]) where the scaling policy allows, or restarts the whole group as before.
+
+[Note: shrink in memory]
+A lost worker whose replacement cannot be placed within ``placement_timeout_s`` (its node
+died and no other node has room for its bundle, and no spare is left) need not stop the run
+until the cluster grows: where the survivors are at least ``ScalingConfig.min_workers``
+(``ScalingPolicy.on_lost``), ``shrink`` keeps them, renumbered in rank order, and they join
+a new collective group of their own number, each building its engine for the smaller world
+(``Worker.setup``'s ``world_size``). The controller then loads the in-memory snapshot into
+them as it does after a replacement: each worker fetches the old shards that hold its slices
+of the new layout, the lost rank's included (from its buddy's copy where its node died), the
+same range math as a resize ([Note: resize transfer] in state_transfer.py). So the state is
+resharded from N to N-1 in memory, and at most the failed step is redone. Without snapshots
+no survivor is kept, and where the snapshot is lost (a worker and its buddy both died) the
+disk checkpoint is loaded into the shrunk group instead, as a restart does. The lost rank's
+bundle in a shared placement group stays reserved, empty, until the group ends (Ray cannot
+drop one bundle); with spares it was a placement group of its own and is removed. A lower
+``min_workers`` than ``num_workers`` is what allows it: by default the group waits for its
+full size, as before.
+
+[Note: spare placement]
+A spare must never stand in the way of the group it serves: a resize places its new group
+next to the old one, and a bundle a spare holds is room the new group lacks (chaos seed 0 with
+two spares: 2 workers and 2 spares on a 6-CPU cluster left 2 CPUs for a group of 3, and the
+resize raised PlacementError). So a spare holds a placement group of one bundle, its own, which
+``release_spares`` removes (the resize does so first, and starts spares again for the new group
+once the old one is gone, or for the old one when the resize did not happen). A spare that takes
+a lost rank takes its placement group along, and the lost worker's slot goes to the next spare;
+so in a group with spares every rank, too, holds a placement group of one bundle, or the slot
+a swap leaves in a shared group could not be released. The placement strategy still decides
+where: the group places all its bundles in one placement group with the strategy, reads where
+they landed, removes it and places one placement group per bundle on those nodes (Ray's soft
+node hint: where a node has no room by then, Ray places the bundle elsewhere; without spares the
+shared placement group stays, so a STRICT strategy is strict only without spares). Spares are
+placed after the group is placed and built, so they queue behind it for resources.
 """
 from __future__ import annotations
 
@@ -65,7 +100,7 @@ from zeroray.runtime.failures import (CollectiveTimeoutError, ErrorKind, Placeme
 from zeroray.runtime.messages import SetupInfo, WorkerSpec
 from zeroray.runtime.sequencer import Ticket
 from zeroray.runtime.snapshot import buddies
-from zeroray.runtime.spares import drop_dead_spares, take_spare
+from zeroray.runtime.spares import Slot, drop_dead_spares, take_spare
 from zeroray.runtime.worker import CONCURRENCY_GROUPS, ENGINE_THREADS, Worker
 
 log = logging.getLogger("zeroray")
@@ -89,6 +124,26 @@ def ensure_ray(scaling: ScalingConfig) -> None:
              logging_level=logging.WARNING, configure_logging=True)
 
 
+def _single(bundle: Dict[str, float], node_id: Optional[str]) -> Any:
+    """A placement group of one bundle, on node ``node_id`` where it has room (a hint)."""
+    return placement_group([dict(bundle)], strategy="STRICT_PACK", _soft_target_node_id=node_id)
+
+
+def _wait_placed(pgs: Sequence[Any], deadline: float) -> None:
+    """Wait until every placement group in ``pgs`` is placed; PlacementError at ``deadline``."""
+    refs = [pg.ready() for pg in pgs]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+    if len(ready) < len(refs):
+        raise PlacementError("not placed in time")
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already dead
+        pass
+
+
 def _cluster_offer() -> str:
     total = ray.cluster_resources()
     free = ray.available_resources()
@@ -105,7 +160,8 @@ class WorkerGroup:
     the engines. ``wait_all`` collects one call per worker and says who failed and how.
     """
 
-    def __init__(self, spec: WorkerSpec, num_workers: int, scaling: ScalingConfig, spares: int = 0) -> None:
+    def __init__(self, spec: WorkerSpec, num_workers: int, scaling: ScalingConfig, spares: int = 0,
+                 start_spares: bool = True) -> None:
         self.num_workers = num_workers
         self.pg = None
         self.actors: List[Any] = []
@@ -115,36 +171,28 @@ class WorkerGroup:
         # fit with snapshots); ``survivors`` are the ranks kept, until ``replace`` or ``shutdown``.
         self.keep_survivors = False
         self.survivors: List[int] = []
-        self.bundles: List[Optional[int]] = list(range(num_workers))  # per rank: its bundle (None: outside)
-        self.spares: List[Any] = []  # warm actors, each (actor, bundle index, its warm call)
+        self.spares: List[Any] = []  # warm actors, each (actor, its slot, its warm call)
         self._spare_count = spares  # how many spares to keep
+        # [Note: spare placement]: with spares, every rank and spare holds a placement group of
+        # one bundle, so that a spare's reservation is released on its own.
+        self._singles = spares > 0
+        self._pgs: List[Any] = []  # every placement group this group holds (removed by shutdown)
         self._scaling, self._threads = scaling, scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
         self._actor_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)  # once: every actor, spares too
         self.collective_timeout_s = spec.zero.collective_timeout_s
         self._spec = spec  # what a spare warms up for
         self._next_seq = [0] * num_workers  # per worker: the number of its next engine call
         self._numbering = threading.Lock()  # driver threads (a fit, a report) may call at once
-        bundle = {"CPU": scaling.cpus_per_worker}
+        self._bundle = {"CPU": scaling.cpus_per_worker}
         if scaling.use_gpu:
-            bundle["GPU"] = 1
+            self._bundle["GPU"] = 1
         t0 = time.monotonic()
-        self.pg = placement_group([dict(bundle) for _ in range(num_workers + spares)],
-                                  strategy=scaling.placement_strategy)
-        ready, _ = ray.wait([self.pg.ready()], timeout=scaling.placement_timeout_s)
-        if not ready:
-            remove_placement_group(self.pg)
-            self.pg = None
-            wanted = ", ".join(f"{k} {v * (num_workers + spares):g}" for k, v in bundle.items())
-            raise PlacementError(
-                f"could not place {num_workers} worker(s)" + (f" and {spares} spare(s)" if spares else "")
-                + f" of {bundle} each ({wanted} in all, strategy "
-                f"{scaling.placement_strategy}) within placement_timeout_s={scaling.placement_timeout_s:g}: "
-                f"{_cluster_offer()}. Ask for fewer workers (ScalingConfig.num_workers), fewer CPUs per worker "
-                "(cpus_per_worker), or add nodes.")
+        # per rank: its slot, (placement group, bundle index); None: outside any placement group
+        self.bundles: List[Optional[Slot]] = self._reserve(num_workers)
         self.timings = {"placement_s": time.monotonic() - t0}  # where the start-up time goes
         try:
             for rank in range(num_workers):
-                self.actors.append(self._new_actor(rank, rank))
+                self.actors.append(self._new_actor(rank, self.bundles[rank]))
             self.nodes = ray.get(self.poll("node_info"))
             self.timings["actors_s"] = time.monotonic() - t0 - self.timings["placement_s"]
             master_addr = self.nodes[0]["ip"]
@@ -159,32 +207,82 @@ class WorkerGroup:
             if isinstance(error, ray.exceptions.RayTaskError):
                 raise setup_error(error) from error
             raise
-        for index in range(num_workers, num_workers + spares):  # after the group: they do not slow its start
-            self._add_spare(index)
+        if start_spares:  # after the group: they do not slow its start
+            self.start_spares()
 
-    def _new_actor(self, rank: int, bundle_index: Optional[int]) -> Any:
-        """A worker actor in bundle ``bundle_index`` of the placement group, or outside it (None);
-        rank -1: a spare."""
+    def _reserve(self, count: int) -> List[Slot]:
+        """Place ``count`` bundles with the scaling's strategy, waited for up to placement_timeout_s:
+        one placement group of ``count`` bundles, or with spares one of a bundle each, on the nodes
+        the strategy chose ([Note: spare placement]). Raises PlacementError."""
+        scaling, bundle = self._scaling, self._bundle
+        deadline = time.monotonic() + scaling.placement_timeout_s
+        gang = placement_group([dict(bundle) for _ in range(count)], strategy=scaling.placement_strategy)
+        pgs = [gang]
+        try:
+            _wait_placed(pgs, deadline)
+            if not self._singles:
+                self.pg, self._pgs = gang, [gang]
+                return [(gang, i) for i in range(count)]
+            nodes = ray.util.placement_group_table(gang)["bundles_to_node_id"]
+            remove_placement_group(gang)
+            pgs = [_single(bundle, nodes.get(i)) for i in range(count)]
+            _wait_placed(pgs, deadline)
+        except PlacementError:
+            for pg in pgs:
+                remove_placement_group(pg)
+            wanted = ", ".join(f"{k} {v * count:g}" for k, v in bundle.items())
+            raise PlacementError(
+                f"could not place {count} worker(s) of {bundle} each ({wanted} in all, strategy "
+                f"{scaling.placement_strategy}) within placement_timeout_s={scaling.placement_timeout_s:g}: "
+                f"{_cluster_offer()}. Ask for fewer workers (ScalingConfig.num_workers), fewer CPUs per worker "
+                "(cpus_per_worker), or add nodes.") from None
+        self._pgs = list(pgs)
+        return [(pg, 0) for pg in pgs]
+
+    def _new_actor(self, rank: int, slot: Optional[Slot]) -> Any:
+        """A worker actor in ``slot`` (a placement group's bundle), or outside any (None); rank -1: a spare."""
         scaling = self._scaling
-        strategy = "DEFAULT" if bundle_index is None else PlacementGroupSchedulingStrategy(
-            placement_group=self.pg, placement_group_bundle_index=bundle_index)
+        strategy = "DEFAULT" if slot is None else PlacementGroupSchedulingStrategy(
+            placement_group=slot[0], placement_group_bundle_index=slot[1])
         return self._actor_cls.options(
             num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
             scheduling_strategy=strategy, max_concurrency=ENGINE_THREADS, max_restarts=0,
             name=None).remote(rank, self.num_workers, self._threads, scaling.use_gpu)
 
-    def add_spares(self, count: int) -> None:
-        """Spares outside the placement group (after a resize, whose group was placed without
-        them so that the old and the new group fit side by side); not waited for."""
-        self._spare_count += count
-        for _ in range(count):
+    def start_spares(self) -> None:
+        """Start spares up to the count kept, each in a placement group of its own ([Note: spare
+        placement]); neither the placement nor the warm-up is waited for. None once shut down."""
+        if not self.actors:
+            return
+        for _ in range(self._spare_count - len(self.spares)):
             self._add_spare(None)
 
-    def _add_spare(self, bundle_index: Optional[int]) -> None:
-        """Start a spare in ``bundle_index`` (None: outside the placement group) and have it load
+    def release_spares(self) -> None:
+        """Kill the spares and remove their placement groups, so that what they held is free (a
+        resize places its new group next to this one); ``start_spares`` brings them back."""
+        spares, self.spares = self.spares, []
+        for actor, slot, _ in spares:
+            _kill(actor)
+            self._release(slot)
+
+    def _add_spare(self, slot: Optional[Slot]) -> None:
+        """Start a spare in ``slot`` (None: in a new placement group of its own) and have it load
         what a build imports; not waited for."""
-        actor = self._new_actor(-1, bundle_index)
-        self.spares.append((actor, bundle_index, actor.warm.remote(self._spec)))
+        if slot is None:
+            pg = _single(self._bundle, None)
+            self._pgs.append(pg)
+            slot = (pg, 0)
+        actor = self._new_actor(-1, slot)
+        self.spares.append((actor, slot, actor.warm.remote(self._spec)))
+
+    def _release(self, slot: Optional[Slot]) -> None:
+        """Remove ``slot``'s placement group, when it is one of a bundle of its own (a spare's)."""
+        if slot is not None and slot[0] is not self.pg and slot[0] in self._pgs:
+            self._pgs.remove(slot[0])
+            try:
+                remove_placement_group(slot[0])
+            except Exception:  # noqa: BLE001 - already removed
+                pass
 
     def hold_copies(self, shard_refs: Sequence[Any]) -> int:
         """Have a buddy on another node copy each rank's snapshot shard ([Note: buddy copies] in
@@ -230,8 +328,30 @@ class WorkerGroup:
         try:
             return self._re_form(spec, timeout_s, lost, t0, used_spares, cold_spares)
         finally:  # spares again, where the lost workers were; not before the re-form, which they would slow
-            for index in (freed if self.pg is not None else [])[:max(0, self._spare_count - len(self.spares))]:
-                self._add_spare(index)
+            keep = max(0, self._spare_count - len(self.spares)) if self._pgs else 0
+            for slot in freed[:keep]:
+                self._add_spare(slot)
+            for slot in freed[keep:]:
+                self._release(slot)
+
+    def shrink(self, spec: WorkerSpec, timeout_s: float) -> Dict[str, float]:
+        """Re-form the group of the survivors alone, renumbered in rank order, every one building
+        its engine again for the smaller world ([Note: shrink in memory]). The lost ranks' workers
+        (a replacement that could not start included) are killed and their slots released.
+        Returns the seconds of each phase; a worker failure during it raises as ``wait_all`` does."""
+        if self.failed is None or not self.survivors:
+            raise RuntimeError("shrink: the group has no survivors to keep (a zeroray bug)")
+        t0 = time.monotonic()
+        keep = sorted(self.survivors)
+        lost = [r for r in range(self.num_workers) if r not in keep]
+        for rank in lost:
+            _kill(self.actors[rank])
+            self._release(self.bundles[rank])
+        self.actors = [self.actors[r] for r in keep]
+        self.bundles = [self.bundles[r] for r in keep]
+        self._next_seq = [self._next_seq[r] for r in keep]
+        self.num_workers = len(keep)
+        return {**self._re_form(spec, timeout_s, lost, t0, 0, 0), "replaced": 0, "shrunk_from": len(keep) + len(lost)}
 
     def _re_form(self, spec: WorkerSpec, timeout_s: float, lost: List[int], t0: float, used_spares: int,
                  cold_spares: int) -> Dict[str, float]:
@@ -246,7 +366,8 @@ class WorkerGroup:
         master_port = self._answers(self.poll("free_port", ranks=[0]), "re-form the group")[0]
         spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
         self.failed, self.survivors = None, []
-        self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0]["ip"], master_port, r)
+        self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0]["ip"], master_port, r,
+                                                                  self.num_workers)
                                                                  for r in range(self.num_workers)]),
                                         None, "re-form the group")
         return {"replaced": len(lost), "spares_used": used_spares, "cold_spares": cold_spares,
@@ -312,20 +433,17 @@ class WorkerGroup:
                                "FailureConfig(max_failures>0) and CheckpointConfig(every_steps=...))")
 
     def shutdown(self) -> None:
-        """Kill the actors and spares, remove the placement group (no call of theirs is waited for)."""
+        """Kill the actors and spares, remove the placement groups (no call of theirs is waited for)."""
         self.survivors = []
         for actor in self.actors + [a for a, _, _ in self.spares]:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
+            _kill(actor)
         self.actors, self.spares = [], []
-        if self.pg is not None:
+        pgs, self._pgs, self.pg = self._pgs, [], None
+        for pg in pgs:
             try:
-                remove_placement_group(self.pg)
+                remove_placement_group(pg)
             except Exception:  # noqa: BLE001
                 pass
-            self.pg = None
 
     # --- results and failures ----------------------------------------------------------------
 
