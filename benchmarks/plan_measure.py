@@ -224,10 +224,6 @@ def measure(models=MODELS, worlds=(2, 3), rounds: int = 2, steps: int = 8, warmu
     result["contended"] = measure_contention(models, steps, warmup)
     from zr_run import ZeroraySession
 
-    # Ray starts its workers at niceness 15: on a machine other work shares, they would then wait
-    # behind every ordinary process while the floor (this process, niceness 0) does not, and the
-    # rows would measure the neighbours. The Ray this session starts runs them at 0, like the floor.
-    os.environ.setdefault("RAY_worker_niceness", "0")
     import logging
 
     import ray

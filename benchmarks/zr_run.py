@@ -24,6 +24,11 @@ class ZeroraySession:
             if path not in paths:
                 paths.insert(0, path)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        # Ray starts its workers at niceness 15: on a machine other work shares, they would then
+        # wait behind every ordinary process while the torch and DeepSpeed rows and the floor
+        # (plain processes, niceness 0) do not, and the zeroray rows would measure the neighbours.
+        # The Ray this session starts runs them at 0, like every other row.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         import ray
 
         import zeroray as zr
