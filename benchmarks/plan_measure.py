@@ -147,6 +147,78 @@ def measure_contention(models=MODELS, steps: int = 8, warmup: int = 3) -> Dict[s
     return out
 
 
+def measure_oversubscribed(models=MODELS, worlds=(3,), steps: int = 8, warmup: int = 3) -> Dict[str, Any]:
+    """``contended_floor`` with one copy per *worker*, for each world size with more workers than
+    the machine has cores: ``{str(W): {model: ...}}``. ``contended`` (one copy per core) says how
+    workers that each have a core slow each other; it cannot say how ``W`` one-thread workers
+    time-sharing ``C < W`` cores progress, nor how far the slowest of them falls behind at the step's
+    meetings. plan_check divides the ideal share ``W / C`` out of the together/alone ratio (the
+    replay's ``core_share`` holds it) and takes the rest, and the slowest copy, from here."""
+    add_import_paths()
+    cores = os.cpu_count() or 1
+    out: Dict[str, Any] = {}
+    for world in worlds:
+        if world <= cores:
+            continue
+        out[str(world)] = {}
+        for m in models:
+            c = out[str(world)][m] = contended_floor(spec_for(m, 1, steps, warmup), world)
+            print(f"  {m}, {world} copies on {cores} cores: forward+backward {c['fwd_bwd_s'] * 1e3:.0f} ms (the slowest "
+                  f"copy {c['slowest_fwd_bwd_s'] * 1e3:.0f} ms; alone {c['alone_fwd_bwd_s'] * 1e3:.0f} ms)", flush=True)
+    return out
+
+
+def _engine_solo_model(spec: BenchSpec) -> Dict[str, Any]:
+    import bench_models
+
+    import zeroray as zr
+    from common import model_fn
+    from zeroray.comm.group import SoloGroup
+    from zeroray.engine.engine import Engine
+
+    floor = Floor(spec)  # sets one thread
+    engine = Engine(model_fn(replace(spec, num_workers=1)), bench_models.lm_loss,
+                    zr.AdamW(lr=spec.lr, weight_decay=spec.weight_decay), zr.ZeroConfig(stage=0), SoloGroup(),
+                    seed=spec.seed)
+    times: List[float] = []
+    try:
+        for batch in global_batches(spec):
+            share = tuple(t[:spec.batch_per_worker] for t in batch)
+            t0 = time.perf_counter()
+            engine.train_step(share)
+            times.append(time.perf_counter() - t0)
+            floor.step(batch)  # right after: the same moment's background load
+    finally:
+        engine.close()
+    w = spec.warmup_steps
+    return {"params": floor.numel, "engine_step_all_s": times[w:], "fwd_bwd_all_s": floor.fwd_bwd[w:],
+            "adamw_all_s": floor.adamw[w:], "load": os.getloadavg(), "at": time.time()}
+
+
+def engine_solo(models=MODELS, steps: int = 12, warmup: int = 3) -> Dict[str, Any]:
+    """The engine's own single-process step (stage 0 over a ``SoloGroup``: the hooks, the gradient
+    copies into the buckets, the flat AdamW and the step's bookkeeping, no collective) beside the
+    floor's step, alternated in this process on one thread, per model and for the overhead rows'
+    tiny model (``tiny``). What the engine's step costs on one process beyond the plain PyTorch step
+    is the engine's, not the cluster's: plan_check calibrates the compute from it (each row's lone
+    floor times the engine/floor ratio of the same moments)."""
+    add_import_paths()
+    out: Dict[str, Any] = {}
+    for m in models + ("tiny",):
+        spec = tiny_spec(1, steps, warmup) if m == "tiny" else spec_for(m, 1, steps, warmup)
+        r = out[m] = _engine_solo_model(spec)
+        print(f"  {m}: the engine's single-process step {statistics.median(r['engine_step_all_s']) * 1e3:.1f} ms, "
+              f"the floor's forward+backward {statistics.median(r['fwd_bwd_all_s']) * 1e3:.1f} ms + AdamW "
+              f"{statistics.median(r['adamw_all_s']) * 1e3:.1f} ms", flush=True)
+    return out
+
+
+def tiny_spec(workers: int, steps: int, warmup: int) -> BenchSpec:
+    """The overhead rows' model: almost no work, the Ray call and the engine's fixed per-step work."""
+    return replace(spec_for("gpt", workers, steps, warmup), d_model=32, n_layers=1, n_heads=1, seq_len=16,
+                   batch_per_worker=1)
+
+
 def calibrate_gloo(worlds: List[int], sizes_mb=GLOO_MB) -> List[Dict[str, Any]]:
     """collectives.py's rows (ms, median of rank 0's timed calls) at each world size."""
     import torch.multiprocessing as mp
@@ -222,6 +294,10 @@ def measure(models=MODELS, worlds=(2, 3), rounds: int = 2, steps: int = 8, warmu
     result["gloo"] = calibrate_gloo(list(worlds))
     print("the floor with every core busy ...", flush=True)
     result["contended"] = measure_contention(models, steps, warmup)
+    print("the floor with more workers than cores ...", flush=True)
+    result["oversubscribed"] = measure_oversubscribed(models, worlds, steps, warmup)
+    print("the engine's single-process step ...", flush=True)
+    result["engine_solo"] = engine_solo(models, steps, warmup)
     from zr_run import ZeroraySession
 
     # Ray starts its workers at niceness 15: on a machine other work shares, they would then wait
@@ -247,8 +323,7 @@ def measure(models=MODELS, worlds=(2, 3), rounds: int = 2, steps: int = 8, warmu
 
     try:
         for workers in worlds:
-            tiny = replace(spec_for("gpt", workers, steps, warmup), d_model=32, n_layers=1, n_heads=1, seq_len=16,
-                           batch_per_worker=1)
+            tiny = tiny_spec(workers, steps, warmup)
             rec = measure_steps(session, "gpt", workers, steps, warmup, rounds, spec=tiny)
             result["overhead"][str(workers)] = rec
             print(f"  overhead, {workers} workers (tiny model): " +
