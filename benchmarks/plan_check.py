@@ -8,8 +8,11 @@ Rows (docs/planning.md says what the simulator models):
 - the H200 evidence (808M bf16, world 1): compute calibrated from the plain PyTorch step, the rest predicted;
 - torchtitan's Llama 3.1 8B FSDP on H100 (bf16, no compile, local batch 2 x 8192, 96 GB HBM2e at 500 W).
 The CPU rows of this machine (stages 0-3 at 2 and 3 workers on gpt, mha, hf-gpt2) read
-benchmarks/results/plan_cpu_measured.json (``--measure`` takes it, ``--measure-contention`` only its
-floor with every core busy); without it they are listed as missing rather than guessed.
+benchmarks/results/plan_cpu_measured.json (``--measure`` takes it; ``--measure-only PARTS`` adds only
+calibration parts to a kept measurement; ``--from PATH`` reads another, in seconds; ``--without PARTS``
+recomputes the table without parts of the calibration, as it was before they were taken); without
+it they are listed as missing rather than guessed. The cluster is built by
+zeroray/plan/calibrate.py ([Note: CPU calibration]).
 """
 from __future__ import annotations
 
@@ -197,18 +200,29 @@ def contended_for(m: dict, model: str, world: int, cores: float):
     return m.get("contended", {}).get(model)
 
 
-def row_cluster(rec: dict, w: plan.Workload, m: dict, world: int, cores: float, solo: dict, q: float) -> plan.Cluster:
-    """A row's cluster: its floor (contended) times the engine's single-process ratio where measured."""
+def solo_ratio(solo: dict, stage: int, q: float, cpu_time: bool = True) -> float:
+    """The engine's single-process ratio of a stage in an ``engine_solo`` record: from the CPU
+    seconds (what the engine adds is work on the worker's thread; the wall times also hold the waits
+    for a core that the machine's other load causes), or the wall times."""
+    pre = "cpu_" if cpu_time else ""
+    return engine_ratio(solo["stages"][str(stage)][pre + "engine_step_all_s"], solo[pre + "fwd_bwd_all_s"],
+                        solo[pre + "adamw_all_s"], q)
+
+
+def row_cluster(rec: dict, w: plan.Workload, m: dict, world: int, cores: float, solo: dict, stage: int,
+                q: float) -> plan.Cluster:
+    """A row's cluster: its floor (contended) times the engine's single-process ratio of its stage
+    where measured (else the plain step's)."""
     f = rec["floor"]
-    ratio = engine_ratio(solo["engine_step_all_s"], solo["fwd_bwd_all_s"], solo["adamw_all_s"], q) if solo else None
-    f["engine_ratio"] = ratio
+    ratio = solo_ratio(solo, stage, q) if solo else None
+    f.setdefault("engine_ratio", {})[stage] = ratio
     step = f["fwd_bwd_s"] * (ratio if ratio is not None else 1.0)
     return cpu_cluster(w, m["gloo"], world, cores, step_s=step, adamw_s=f["adamw_s"], params=f["params"],
                        micro_batch=f["spec"]["batch_per_worker"], straggler=f.get("straggler", 1.0),
                        engine=ratio is not None)
 
 
-def cpu(path: str, q: float = 0.5) -> bool:
+def cpu(path: str, q: float = 0.5, without: tuple = ()) -> bool:
     """This machine: zr.Trainer steps of stages 0-3 at each world size measured against the replay on
     a cluster built from measured constants (zeroray/plan/calibrate.py's cpu_cluster), plus the fixed
     per-step cost of each stage measured on a tiny model: its measured step less what the replay
@@ -219,6 +233,8 @@ def cpu(path: str, q: float = 0.5) -> bool:
         return False
     with open(path) as f:
         m = json.load(f)
+    for part in without:  # the table as it was before these parts of the calibration were taken
+        m.pop(part, None)
     cores = float(m["machine"]["cpus"])
     m["overhead"] = {k: at_quantile(rec, q) for k, rec in m["overhead"].items()}
     m["steps"] = {k: at_quantile(rec, q) for k, rec in m["steps"].items()}
@@ -236,9 +252,9 @@ def cpu(path: str, q: float = 0.5) -> bool:
     for world, rec in m["overhead"].items():
         spec = rec["floor"]["spec"]
         w = bench_workload(spec)
-        cl = row_cluster(rec, w, m, int(world), cores, solo.get("tiny"), q)
         for name, r in rec.items():
             if name != "floor":
+                cl = row_cluster(rec, w, m, int(world), cores, solo.get("tiny"), r["stage"], q)
                 overhead[(int(world), r["stage"])] = r["median_s"] - plan.simulate(w, cl, cfg(r["stage"], int(world), spec)).step_s
     spreads = []
     for key, rec in m["steps"].items():
@@ -246,9 +262,9 @@ def cpu(path: str, q: float = 0.5) -> bool:
         world = int(world)
         spec = rec["floor"]["spec"]
         w = bench_workload(spec)
-        cl = row_cluster(rec, w, m, world, cores, solo.get(model), q)
         for name, r in sorted((n, r) for n, r in rec.items() if n != "floor"):
             stage = r["stage"]
+            cl = row_cluster(rec, w, m, world, cores, solo.get(model), stage, q)
             pred = plan.simulate(w, cl.with_(step_overhead_s=overhead[(world, stage)]), cfg(stage, world, spec))
             rounds = r["round_medians_s"]
             spread = (max(rounds) - min(rounds)) / statistics.median(rounds)
@@ -263,9 +279,9 @@ def cpu(path: str, q: float = 0.5) -> bool:
         lat, bw = gloo_ring(m["gloo"], world)
         print(f"  gloo exchange, {world} ranks: {lat * 1e3:.2f} ms per hop, {bw / 1e9:.2f} GB/s")
     for name, r in solo.items():
-        print(f"  {name}: the engine's single-process step over the plain one (AdamW aside) "
-              f"{engine_ratio(r['engine_step_all_s'], r['fwd_bwd_all_s'], r['adamw_all_s'], q):.3f}x "
-              f"(load average {r['load'][0]:.1f})")
+        print(f"  {name}: the engine's single-process step over the plain one (AdamW aside), CPU seconds (wall): " +
+              ", ".join(f"stage {s} {solo_ratio(r, int(s), q):.3f}x ({solo_ratio(r, int(s), q, cpu_time=False):.3f}x)"
+                        for s in r["stages"]) + f" (load average {r['load'][0]:.1f})")
     if not solo:
         print("  the engine's single-process step: not measured (the compute is the plain step's; "
               "`--measure-only engine_solo` adds it)")
@@ -284,8 +300,8 @@ def cpu(path: str, q: float = 0.5) -> bool:
             lone += f" (no floor with {world} copies: `--measure-only oversubscribed` adds it)"
         if "straggler" in f:
             lone += f", the slowest rank {f['straggler']:.3f}x"
-        if f.get("engine_ratio") is not None:
-            lone += f", the engine {f['engine_ratio']:.3f}x"
+        if any(x is not None for x in f.get("engine_ratio", {}).values()):
+            lone += ", the engine " + "/".join(f"{f['engine_ratio'][s]:.3f}" for s in sorted(f["engine_ratio"])) + "x"
         print(f"  {key}: floor forward+backward {f['fwd_bwd_s'] * 1e3:.0f} ms{lone}, AdamW {f['adamw_s'] * 1e3:.1f} ms "
               f"({f['params'] / 1e6:.2f}M params)")
     return True
@@ -305,6 +321,9 @@ def main(argv=None) -> int:
                    help="measure only these calibration parts, comma-separated, and add them to --measured (the "
                         "rest kept): contended (one copy per core), oversubscribed (one copy per worker where "
                         "--workers outnumber the cores), engine_solo (the engine's single-process step)")
+    p.add_argument("--without", default="", metavar="PARTS",
+                   help="read the measurement without these calibration parts (comma-separated: contended, "
+                        "oversubscribed, engine_solo): the table as it was before they were taken")
     p.add_argument("--measured", "--from", dest="measured", default=None,
                    help="the JSON of the CPU measurement to read (and to write with --measure); the table is "
                         "recomputed from it in seconds (default benchmarks/results/plan_cpu_measured.json)")
@@ -342,7 +361,7 @@ def main(argv=None) -> int:
     paper()
     h200()
     torchtitan()
-    measured = cpu(path, args.quantile)
+    measured = cpu(path, args.quantile, tuple(x for x in args.without.split(",") if x))
     cols = ("check", "predicted", "published/measured", "error", "bound", "")
     widths = [max(len(str(r[i])) for r in ROWS + [cols]) for i in range(len(cols))]
     for r in [cols] + ROWS:
