@@ -220,7 +220,7 @@ def _engine_solo_model(spec: BenchSpec, stages=(0, 1, 2, 3)) -> Dict[str, Any]:
             "load": os.getloadavg(), "at": time.time()}
 
 
-def engine_solo(models=MODELS, steps: int = 12, warmup: int = 3) -> Dict[str, Any]:
+def engine_solo(models=MODELS, steps: int = 20, warmup: int = 3) -> Dict[str, Any]:
     """The engine's own single-process step of each stage (over a ``SoloGroup``: the hooks, the
     gradient copies into the buckets, stage 3's fetching, the flat AdamW and the step's bookkeeping,
     no peer), the four stages' engines and the floor stepped in turn in this process on one thread,
@@ -324,7 +324,7 @@ def measure(models=MODELS, worlds=(2, 3), rounds: int = 2, steps: int = 8, warmu
     print("the floor with more workers than cores ...", flush=True)
     result["oversubscribed"] = measure_oversubscribed(models, worlds, steps, warmup)
     print("the engine's single-process step ...", flush=True)
-    result["engine_solo"] = engine_solo(models, steps, warmup)
+    result["engine_solo"] = engine_solo(models, warmup=warmup)
     from zr_run import ZeroraySession
 
     # Ray starts its workers at niceness 15: on a machine other work shares, they would then wait
