@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from zeroray import plan  # noqa: E402
 from zeroray.memory import model as memory  # noqa: E402
-from zeroray.plan.calibrate import contended_figures, cpu_cluster, engine_ratio, gloo_ring, quantile  # noqa: E402
+from zeroray.plan.calibrate import (contended_figures, cpu_cluster, engine_ratio, gloo_ring, quantile,  # noqa: E402
+                                    undisturbed)
 from zeroray.plan.planner import max_micro_batch  # noqa: E402
 
 ROWS = []
@@ -196,7 +197,12 @@ def contended_for(m: dict, model: str, world: int, cores: float):
     they outnumber the cores and the measurement has it (``oversubscribed``), else one per core."""
     over = m.get("oversubscribed", {}).get(str(world), {}).get(model)
     if world > cores and over is not None:
-        return over
+        wall, cpu_s = statistics.median(over["fwd_bwd_all_s"]), statistics.median(over["cpu_fwd_bwd_all_s"])
+        if undisturbed(wall, cpu_s, over["copies"], cores):
+            return over
+        print(f"  {model}/{world}: the floor with {over['copies']} copies is DISTURBED (wall {wall / cpu_s:.2f}x its CPU "
+              f"seconds, more than {over['copies']} copies sharing {cores:g} cores explain: other processes held "
+              "the cores); read with one copy per core instead")
     return m.get("contended", {}).get(model)
 
 

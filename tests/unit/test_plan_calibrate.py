@@ -5,7 +5,7 @@ step is the measured one. Pure arithmetic on synthetic measurements."""
 import pytest
 
 from zeroray import plan
-from zeroray.plan.calibrate import contended_figures, cpu_cluster, engine_ratio, gloo_ring, quantile
+from zeroray.plan.calibrate import contended_figures, cpu_cluster, engine_ratio, gloo_ring, quantile, undisturbed
 
 
 def _gloo(world: int, lat: float, bw: float) -> list:
@@ -33,6 +33,14 @@ def test_contended_floor_less_the_share_of_the_cores():
     assert contention == pytest.approx(1.1) and straggler == 1.0
     with pytest.raises(ValueError, match="positive"):
         contended_figures(0.3, 0.0, 0.3, copies=2, cores=2)
+
+
+def test_copies_that_waited_beyond_their_own_sharing_were_disturbed():
+    # three copies on two cores: at worst two share a core, so a wall time up to twice the CPU seconds
+    assert undisturbed(0.55, 0.30, copies=3, cores=2) and undisturbed(0.60, 0.30, copies=3, cores=2)
+    assert not undisturbed(0.80, 0.30, copies=3, cores=2)
+    # one copy per core: none waits for a core
+    assert undisturbed(0.30, 0.30, copies=2, cores=2) and not undisturbed(0.36, 0.30, copies=2, cores=2)
 
 
 def test_engine_ratio_pairs_each_engine_step_with_the_plain_one():

@@ -25,7 +25,8 @@ takes them, benchmarks/plan_check.py feeds them here), never from the rows it is
   pace of ranks that meet at every step's collectives.
 
 A measurement with only one copy per core (taken before the copies per worker were) is read with
-``W = C`` copies for every world size, and says so.
+``W = C`` copies for every world size, and says so; so is one whose copies per worker waited for a
+core longer than their own sharing explains (``undisturbed``): other processes held the cores.
 """
 from __future__ import annotations
 
@@ -75,6 +76,16 @@ def contended_figures(together_s: float, alone_s: float, slowest_s: float, copie
                          f"{cores} cores: every time and count must be positive")
     share = max(1.0, copies / cores)
     return together_s / alone_s / share, max(1.0, slowest_s / together_s)
+
+
+def undisturbed(wall_s: float, cpu_s: float, copies: int, cores: float) -> bool:
+    """Whether ``copies`` one-thread copies run together on ``cores`` cores waited for a core no longer
+    than their own sharing explains: a fair scheduler gives each at least ``1 / ceil(copies / cores)``
+    of a core, so a copy's wall time is at most ``ceil(copies / cores)`` times its CPU seconds. Longer,
+    and other processes held the cores: the measurement says nothing about the copies."""
+    if wall_s <= 0 or cpu_s <= 0:
+        raise ValueError(f"wall_s={wall_s} and cpu_s={cpu_s} are invalid: both are measured times, > 0")
+    return wall_s <= -(-copies // max(1, int(cores))) * cpu_s
 
 
 def engine_ratio(engine_steps_s: Sequence[float], fwd_bwd_s: Sequence[float], adamw_s: Sequence[float],
