@@ -8,8 +8,11 @@ Rows (docs/planning.md says what the simulator models):
 - the H200 evidence (808M bf16, world 1): compute calibrated from the plain PyTorch step, the rest predicted;
 - torchtitan's Llama 3.1 8B FSDP on H100 (bf16, no compile, local batch 2 x 8192, 96 GB HBM2e at 500 W).
 The CPU rows of this machine (stages 0-3 at 2 and 3 workers on gpt, mha, hf-gpt2) read
-benchmarks/results/plan_cpu_measured.json (``--measure`` takes it, ``--measure-contention`` only its
-floor with every core busy); without it they are listed as missing rather than guessed.
+benchmarks/results/plan_cpu_measured.json (``--measure`` takes it; ``--measure-only PARTS`` adds only
+calibration parts to a kept measurement; ``--from PATH`` reads another, in seconds; ``--without PARTS``
+recomputes the table without parts of the calibration, as it was before they were taken); without
+it they are listed as missing rather than guessed. The cluster is built by
+zeroray/plan/calibrate.py ([Note: CPU calibration]).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,6 +28,8 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from zeroray import plan  # noqa: E402
 from zeroray.memory import model as memory  # noqa: E402
+from zeroray.plan.calibrate import (contended_figures, cpu_cluster, engine_ratio, gloo_ring, quantile,  # noqa: E402
+                                    undisturbed)
 from zeroray.plan.planner import max_micro_batch  # noqa: E402
 
 ROWS = []
@@ -137,36 +143,6 @@ def torchtitan() -> None:
             f"peak NVL..SXM: {bounds[0]:,.0f}..{bounds[1]:,.0f})", r.tokens_per_s_per_gpu, published, 0.2)
 
 
-def gloo_ring(rows: list, world: int) -> tuple:
-    """(latency per hop, bus bandwidth) of the exchange's ring at ``world`` ranks: a least-squares
-    line through collectives.py's all-gather and reduce-scatter times (median ms of rank 0) against
-    the bytes each rank moves, ``(W-1)/W`` of the full tensor ([Note: ring costs])."""
-    pts = [((world - 1) / world * r["mb"] * 1e6, r[k] / 1e3) for r in rows if r["world"] == world
-           for k in ("all_gather exchange", "reduce_scatter exchange")]
-    n = len(pts)
-    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
-    slope = max(slope, 1e-12)
-    alpha = max(my - slope * mx, 0.0)
-    return alpha / (world - 1), 1.0 / slope
-
-
-def cpu_cluster(floor: dict, workload: plan.Workload, rows: list, world: int, cores: float) -> plan.Cluster:
-    """This machine as a plan.Cluster, from measured constants only: ``achieved`` from the
-    single-process forward+backward, ``hbm_bw`` from the flat AdamW step (both taken with every
-    core busy where the measurement has it: plan_measure's ``contended``), the ring from gloo's
-    α–β, ``cores`` from the machine, ``straggler`` from the contended floor's slowest copy."""
-    lat, bw = gloo_ring(rows, world)
-    base = plan.cluster_preset("cpu", gpus_per_node=world, cores=cores, intra_bw=bw, intra_lat=lat, inter_bw=bw,
-                               inter_lat=lat, launch_s=0.0, half_tokens=1e-9)
-    k = memory.optimizer_state_bytes_per_param("adamw", "fp32")
-    hbm = floor["params"] * (2 * k + 4 + 4) / floor["adamw_s"]
-    probe = plan.simulate(workload, base.with_(hbm_bw=hbm), plan.RunConfig(
-        0, 1, micro_batch=floor["spec"]["batch_per_worker"], dtype="fp32", checkpointing=False, optimizer="adamw"))
-    achieved = base.achieved * probe.compute_s / floor["fwd_bwd_s"]
-    return base.with_(achieved=achieved, hbm_bw=hbm, straggler=floor.get("straggler", 1.0))
-
-
 def bench_workload(spec: dict) -> plan.Workload:
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import functools
@@ -176,14 +152,6 @@ def bench_workload(spec: dict) -> plan.Workload:
     fn = functools.partial(bench_models.build, spec["model"], spec["vocab_size"], spec["seq_len"], spec["d_model"],
                            spec["n_layers"], spec["n_heads"])
     return plan.from_module(fn, seq_len=spec["seq_len"], hidden=spec["d_model"], heads=spec["n_heads"])
-
-
-def quantile(xs: list, q: float) -> float:
-    """The ``q`` quantile of ``xs`` (linear between order statistics; 0.5 is the median)."""
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
 
 
 def at_quantile(rec: dict, q: float) -> dict:
@@ -205,50 +173,94 @@ def slowest_copies(c: dict) -> list:
     return [max(step) for step in zip(*(xs[i * n:(i + 1) * n] for i in range(copies)))]
 
 
-def contention(c: dict, floor: dict, q: float) -> dict:
+def contention(c: dict, floor: dict, q: float, cores: float) -> dict:
     """The floor figures a row's cluster is calibrated from, with every core busy (plan_measure's
-    ``contended``): the forward+backward is the row's own lone floor (taken between the row's steps)
-    times the together/alone ratio of the contended run (both halves at the same moments), or,
-    for a measurement without the alone half, the contended run's own; ``straggler`` is the slowest
-    copy of each step over the median copy (plan.Cluster's)."""
+    ``contended``, or ``oversubscribed`` with one copy per worker where the workers outnumber the
+    cores): the forward+backward is the row's own lone floor (taken between the row's steps) times
+    the together/alone ratio of the contended run (both halves at the same moments) less the ideal
+    share of the cores that the replay holds, or, for a measurement without the alone half, the
+    contended run's own; ``straggler`` is the slowest copy of each step over the median copy
+    ([Note: CPU calibration] in zeroray/plan/calibrate.py)."""
     together = quantile(c["fwd_bwd_all_s"], q)
     out = {"lone_fwd_bwd_s": floor["fwd_bwd_s"], "adamw_s": quantile(c["adamw_all_s"], q),
-           "straggler": max(1.0, quantile(slowest_copies(c), q) / together), "fwd_bwd_s": together}
+           "straggler": max(1.0, quantile(slowest_copies(c), q) / together), "fwd_bwd_s": together,
+           "copies": c["copies"]}
     if "alone_fwd_bwd_all_s" in c:
-        out["contention"] = together / quantile(c["alone_fwd_bwd_all_s"], q)
+        out["contention"], out["straggler"] = contended_figures(
+            together, quantile(c["alone_fwd_bwd_all_s"], q), quantile(slowest_copies(c), q), c["copies"], cores)
         out["fwd_bwd_s"] = floor["fwd_bwd_s"] * out["contention"]
     return out
 
 
-def cpu(path: str, q: float = 0.5) -> bool:
+def contended_for(m: dict, model: str, world: int, cores: float):
+    """The contended floor a row of ``world`` workers is calibrated from: one copy per worker where
+    they outnumber the cores and the measurement has it (``oversubscribed``), else one per core."""
+    over = m.get("oversubscribed", {}).get(str(world), {}).get(model)
+    if world > cores and over is not None:
+        wall, cpu_s = statistics.median(over["fwd_bwd_all_s"]), statistics.median(over["cpu_fwd_bwd_all_s"])
+        if undisturbed(wall, cpu_s, over["copies"], cores):
+            return over
+        print(f"  {model}/{world}: the floor with {over['copies']} copies is DISTURBED (wall {wall / cpu_s:.2f}x its CPU "
+              f"seconds, more than {over['copies']} copies sharing {cores:g} cores explain: other processes held "
+              "the cores); read with one copy per core instead")
+    return m.get("contended", {}).get(model)
+
+
+def solo_ratio(solo: dict, stage: int, q: float, cpu_time: bool = True) -> float:
+    """The engine's single-process ratio of a stage in an ``engine_solo`` record: from the CPU
+    seconds (what the engine adds is work on the worker's thread; the wall times also hold the waits
+    for a core that the machine's other load causes), or the wall times."""
+    pre = "cpu_" if cpu_time else ""
+    return engine_ratio(solo["stages"][str(stage)][pre + "engine_step_all_s"], solo[pre + "fwd_bwd_all_s"],
+                        solo[pre + "adamw_all_s"], q)
+
+
+def row_cluster(rec: dict, w: plan.Workload, m: dict, world: int, cores: float, solo: dict, stage: int,
+                q: float) -> plan.Cluster:
+    """A row's cluster: its floor (contended) times the engine's single-process ratio of its stage
+    where measured (else the plain step's)."""
+    f = rec["floor"]
+    ratio = solo_ratio(solo, stage, q) if solo else None
+    f.setdefault("engine_ratio", {})[stage] = ratio
+    step = f["fwd_bwd_s"] * (ratio if ratio is not None else 1.0)
+    return cpu_cluster(w, m["gloo"], world, cores, step_s=step, adamw_s=f["adamw_s"], params=f["params"],
+                       micro_batch=f["spec"]["batch_per_worker"], straggler=f.get("straggler", 1.0),
+                       engine=ratio is not None)
+
+
+def cpu(path: str, q: float = 0.5, without: tuple = ()) -> bool:
     """This machine: zr.Trainer steps of stages 0-3 at each world size measured against the replay on
-    a cluster built from measured constants (cpu_cluster), plus the fixed per-step cost of each stage
-    measured on a tiny model: its measured step less what the replay predicts for it."""
+    a cluster built from measured constants (zeroray/plan/calibrate.py's cpu_cluster), plus the fixed
+    per-step cost of each stage measured on a tiny model: its measured step less what the replay
+    predicts for it."""
     if not os.path.exists(path):
         print(f"this machine (CPU, gloo): no measurement at {path}; run `PYTHONPATH=. python "
               "benchmarks/plan_check.py --measure`")
         return False
     with open(path) as f:
         m = json.load(f)
+    for part in without:  # the table as it was before these parts of the calibration were taken
+        m.pop(part, None)
     cores = float(m["machine"]["cpus"])
     m["overhead"] = {k: at_quantile(rec, q) for k, rec in m["overhead"].items()}
     m["steps"] = {k: at_quantile(rec, q) for k, rec in m["steps"].items()}
+    solo = m.get("engine_solo", {})
     # Workers filling every core compute at the cores' shared speed, not one process's alone, and a
     # step moves at its slowest rank's pace: both from the floor measured with every core busy.
-    contended = m.get("contended", {})
     for key, rec in m["steps"].items():
-        c = contended.get(key.split("/")[0])
+        model, world = key.split("/")
+        c = contended_for(m, model, int(world), cores)
         if c:
-            rec["floor"] = dict(rec["floor"], **contention(c, rec["floor"], q))
+            rec["floor"] = dict(rec["floor"], **contention(c, rec["floor"], q, cores))
     cfg = lambda stage, world, spec: plan.RunConfig(stage, world, micro_batch=spec["batch_per_worker"], dtype="fp32",
                                                     checkpointing=False, optimizer="adamw")
     overhead = {}
     for world, rec in m["overhead"].items():
         spec = rec["floor"]["spec"]
         w = bench_workload(spec)
-        cl = cpu_cluster(rec["floor"], w, m["gloo"], int(world), cores)
         for name, r in rec.items():
             if name != "floor":
+                cl = row_cluster(rec, w, m, int(world), cores, solo.get("tiny"), r["stage"], q)
                 overhead[(int(world), r["stage"])] = r["median_s"] - plan.simulate(w, cl, cfg(r["stage"], int(world), spec)).step_s
     spreads = []
     for key, rec in m["steps"].items():
@@ -256,9 +268,9 @@ def cpu(path: str, q: float = 0.5) -> bool:
         world = int(world)
         spec = rec["floor"]["spec"]
         w = bench_workload(spec)
-        cl = cpu_cluster(rec["floor"], w, m["gloo"], world, cores)
         for name, r in sorted((n, r) for n, r in rec.items() if n != "floor"):
             stage = r["stage"]
+            cl = row_cluster(rec, w, m, world, cores, solo.get(model), stage, q)
             pred = plan.simulate(w, cl.with_(step_overhead_s=overhead[(world, stage)]), cfg(stage, world, spec))
             rounds = r["round_medians_s"]
             spread = (max(rounds) - min(rounds)) / statistics.median(rounds)
@@ -272,15 +284,30 @@ def cpu(path: str, q: float = 0.5) -> bool:
     for world in sorted({int(k.split('/')[1]) for k in m["steps"]}):
         lat, bw = gloo_ring(m["gloo"], world)
         print(f"  gloo exchange, {world} ranks: {lat * 1e3:.2f} ms per hop, {bw / 1e9:.2f} GB/s")
+    for name, r in solo.items():
+        print(f"  {name}: the engine's single-process step over the plain one (AdamW aside), CPU seconds (wall): " +
+              ", ".join(f"stage {s} {solo_ratio(r, int(s), q):.3f}x ({solo_ratio(r, int(s), q, cpu_time=False):.3f}x)"
+                        for s in r["stages"]) + f" (load average {r['load'][0]:.1f})")
+    if not solo:
+        print("  the engine's single-process step: not measured (the compute is the plain step's; "
+              "`--measure-only engine_solo` adds it)")
     for key, rec in m["steps"].items():
         f = rec["floor"]
+        world = int(key.split("/")[1])
         lone = f" (alone {f['lone_fwd_bwd_s'] * 1e3:.0f} ms)" if "lone_fwd_bwd_s" in f else ""
         if "contention" in f:
-            lone += f", every core busy {f['contention']:.3f}x alone"
+            share = max(1.0, f["copies"] / cores)
+            lone += f", {f['copies']} copies together {f['contention'] * share:.3f}x alone"
+            if share > 1:
+                lone += f" ({f['contention']:.3f}x beyond the share {share:g})"
             if f["contention"] > 1.5:  # one copy per core cannot halve the speed: the copies shared a core
                 lone += " (SUSPECT: the copies did not each have a core; re-measure on a quiet machine)"
+        if world > cores and f.get("copies", 0) < world:
+            lone += f" (no floor with {world} copies: `--measure-only oversubscribed` adds it)"
         if "straggler" in f:
             lone += f", the slowest rank {f['straggler']:.3f}x"
+        if any(x is not None for x in f.get("engine_ratio", {}).values()):
+            lone += ", the engine " + "/".join(f"{f['engine_ratio'][s]:.3f}" for s in sorted(f["engine_ratio"])) + "x"
         print(f"  {key}: floor forward+backward {f['fwd_bwd_s'] * 1e3:.0f} ms{lone}, AdamW {f['adamw_s'] * 1e3:.1f} ms "
               f"({f['params'] / 1e6:.2f}M params)")
     return True
@@ -294,9 +321,18 @@ def main(argv=None) -> int:
                    help="first measure this machine (benchmarks/plan_measure.py: real Trainer steps, gloo, the "
                         "single-process floor) and write --measured; without it the CPU rows read that file")
     p.add_argument("--measure-contention", action="store_true",
-                   help="measure only the floor with every core busy and add it to --measured (the rest kept)")
-    p.add_argument("--measured", default=None, help="the JSON of the CPU measurement "
-                   "(default benchmarks/results/plan_cpu_measured.json)")
+                   help="measure only the floor with every core busy and add it to --measured (the rest kept); "
+                        "the same as --measure-only contended")
+    p.add_argument("--measure-only", default="", metavar="PARTS",
+                   help="measure only these calibration parts, comma-separated, and add them to --measured (the "
+                        "rest kept): contended (one copy per core), oversubscribed (one copy per worker where "
+                        "--workers outnumber the cores), engine_solo (the engine's single-process step)")
+    p.add_argument("--without", default="", metavar="PARTS",
+                   help="read the measurement without these calibration parts (comma-separated: contended, "
+                        "oversubscribed, engine_solo): the table as it was before they were taken")
+    p.add_argument("--measured", "--from", dest="measured", default=None,
+                   help="the JSON of the CPU measurement to read (and to write with --measure); the table is "
+                        "recomputed from it in seconds (default benchmarks/results/plan_cpu_measured.json)")
     p.add_argument("--rounds", type=int, default=2, help="--measure: rounds, fresh trainers each (default 2)")
     p.add_argument("--steps", type=int, default=6, help="--measure: timed steps per round (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="--measure: untimed steps before them (default 2)")
@@ -310,10 +346,19 @@ def main(argv=None) -> int:
     import plan_measure
 
     path = args.measured or plan_measure.OUT
-    if args.measure_contention and not args.measure:
+    parts = [x for x in args.measure_only.split(",") if x] + (["contended"] if args.measure_contention else [])
+    unknown = sorted(set(parts) - {"contended", "oversubscribed", "engine_solo"})
+    if unknown:
+        p.error(f"--measure-only {','.join(unknown)}: choose among contended, oversubscribed, engine_solo")
+    if parts and not args.measure:
         with open(path) as f:
             kept = json.load(f)
-        kept["contended"] = plan_measure.measure_contention(tuple(args.models.split(",")))
+        models, worlds = tuple(args.models.split(",")), tuple(int(w) for w in args.workers.split(","))
+        for part in parts:
+            kept[part] = (plan_measure.measure_contention(models) if part == "contended" else
+                          plan_measure.measure_oversubscribed(models, worlds) if part == "oversubscribed" else
+                          plan_measure.engine_solo(models))
+            kept.setdefault("added", {})[part] = {"at": time.time(), "load": os.getloadavg()}
         with open(path, "w") as f:
             json.dump(kept, f, indent=1)
     if args.measure:
@@ -322,7 +367,7 @@ def main(argv=None) -> int:
     paper()
     h200()
     torchtitan()
-    measured = cpu(path, args.quantile)
+    measured = cpu(path, args.quantile, tuple(x for x in args.without.split(",") if x))
     cols = ("check", "predicted", "published/measured", "error", "bound", "")
     widths = [max(len(str(r[i])) for r in ROWS + [cols]) for i in range(len(cols))]
     for r in [cols] + ROWS:

@@ -1,6 +1,6 @@
 """This machine's measurements behind benchmarks/plan_check.py's CPU rows (``plan_check.py --measure``).
 
-Three kinds, each written into one JSON (benchmarks/results/plan_cpu_measured.json by default):
+These kinds, each written into one JSON (benchmarks/results/plan_cpu_measured.json by default):
 
 - ``floor`` (in each ``steps`` row): per model of compare.py (``gpt``, ``mha``, ``hf-gpt2``, its
   default small sizes), one single-process step of one worker's batch in this process with one
@@ -14,6 +14,13 @@ Three kinds, each written into one JSON (benchmarks/results/plan_cpu_measured.js
   lone floor. plan_check calibrates the replay's compute from the lone floor of each row times
   the together/alone ratio of the same moments, and ``Cluster.straggler`` from the slowest copy
   of each step over the median copy;
+- ``oversubscribed`` (per world size with more workers than cores, per model): the same with one
+  copy per *worker*: ``W`` one-thread workers time-sharing ``C < W`` cores lose more than the
+  ideal share ``W / C`` (the scheduler moves and interleaves them, their caches refill after every
+  switch) and their slowest falls further behind; plan_check takes what exceeds the share;
+- ``engine_solo`` (per model and for the tiny model): the engine's own single-process step of each
+  stage (over a SoloGroup) beside the floor's step, with their CPU seconds: what the engine's hooks,
+  gradient copies, fetching and bookkeeping add to the plain step on the worker's own thread;
 - ``gloo``: collectives.py's timings of the engine's own calls (the point-to-point exchange's
   all-gather and reduce-scatter, the stage-0 all-reduce) at each world size, over sizes that span
   the buckets and units of these models; plan_check fits α–β to them;
@@ -73,6 +80,8 @@ class Floor:
         self.opt = torch.optim.AdamW([self.flat], lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
         self.fwd_bwd: List[float] = []
         self.adamw: List[float] = []
+        self.cpu_fwd_bwd: List[float] = []  # the process's CPU seconds of each (one thread: its own)
+        self.cpu_adamw: List[float] = []
 
     def step(self, batch) -> None:
         import bench_models
@@ -80,13 +89,15 @@ class Floor:
         share = tuple(t[:self.spec.batch_per_worker] for t in batch)
         for p in self.net.parameters():
             p.grad = None
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         bench_models.lm_loss(self.net, share).backward()
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         self.opt.step()
-        t2 = time.perf_counter()
+        c2, t2 = time.process_time(), time.perf_counter()
         self.fwd_bwd.append(t1 - t0)
         self.adamw.append(t2 - t1)
+        self.cpu_fwd_bwd.append(c1 - c0)
+        self.cpu_adamw.append(c2 - c1)
 
 
 def _contended_rank(spec: BenchSpec, rank: int, copies: int, barrier, out) -> None:
@@ -102,9 +113,11 @@ def _contended_rank(spec: BenchSpec, rank: int, copies: int, barrier, out) -> No
                 floor.step(batch)
                 alone["fwd_bwd"].append(floor.fwd_bwd.pop())
                 alone["adamw"].append(floor.adamw.pop())
+                alone.setdefault("cpu_fwd_bwd", []).append(floor.cpu_fwd_bwd.pop())
     w = spec.warmup_steps
     out.put({"rank": rank, "fwd_bwd": floor.fwd_bwd[w:], "adamw": floor.adamw[w:],
-             "alone_fwd_bwd": alone["fwd_bwd"][w:], "alone_adamw": alone["adamw"][w:]})
+             "alone_fwd_bwd": alone["fwd_bwd"][w:], "alone_adamw": alone["adamw"][w:],
+             "cpu_fwd_bwd": floor.cpu_fwd_bwd[w:], "alone_cpu_fwd_bwd": alone.get("cpu_fwd_bwd", [])[w:]})
 
 
 def contended_floor(spec: BenchSpec, copies: int) -> Dict[str, Any]:
@@ -131,6 +144,10 @@ def contended_floor(spec: BenchSpec, copies: int) -> Dict[str, Any]:
             "slowest_fwd_bwd_s": statistics.median(slowest), "alone_fwd_bwd_s": statistics.median(alone),
             "fwd_bwd_all_s": fwd_bwd, "adamw_all_s": adamw, "slowest_fwd_bwd_all_s": slowest,
             "alone_fwd_bwd_all_s": alone, "alone_adamw_all_s": [x for r in results for x in r["alone_adamw"]],
+            # CPU seconds of the same steps: together over alone is what sharing the caches and memory
+            # costs; the wall times add the waits for a core
+            "cpu_fwd_bwd_all_s": [x for r in results for x in r["cpu_fwd_bwd"]],
+            "alone_cpu_fwd_bwd_all_s": [x for r in results for x in r["alone_cpu_fwd_bwd"]],
             "load": os.getloadavg(), "at": time.time()}
 
 
@@ -145,6 +162,88 @@ def measure_contention(models=MODELS, steps: int = 8, warmup: int = 3) -> Dict[s
               f"{c['slowest_fwd_bwd_s'] * 1e3:.0f} ms; alone {c['alone_fwd_bwd_s'] * 1e3:.0f} ms), "
               f"AdamW {c['adamw_s'] * 1e3:.1f} ms ({c['copies']} copies)", flush=True)
     return out
+
+
+def measure_oversubscribed(models=MODELS, worlds=(3,), steps: int = 8, warmup: int = 3) -> Dict[str, Any]:
+    """``contended_floor`` with one copy per *worker*, for each world size with more workers than
+    the machine has cores: ``{str(W): {model: ...}}``. ``contended`` (one copy per core) says how
+    workers that each have a core slow each other; it cannot say how ``W`` one-thread workers
+    time-sharing ``C < W`` cores progress, nor how far the slowest of them falls behind at the step's
+    meetings. plan_check divides the ideal share ``W / C`` out of the together/alone ratio (the
+    replay's ``core_share`` holds it) and takes the rest, and the slowest copy, from here."""
+    add_import_paths()
+    cores = os.cpu_count() or 1
+    out: Dict[str, Any] = {}
+    for world in worlds:
+        if world <= cores:
+            continue
+        out[str(world)] = {}
+        for m in models:
+            c = out[str(world)][m] = contended_floor(spec_for(m, 1, steps, warmup), world)
+            print(f"  {m}, {world} copies on {cores} cores: forward+backward {c['fwd_bwd_s'] * 1e3:.0f} ms (the slowest "
+                  f"copy {c['slowest_fwd_bwd_s'] * 1e3:.0f} ms; alone {c['alone_fwd_bwd_s'] * 1e3:.0f} ms)", flush=True)
+    return out
+
+
+def _engine_solo_model(spec: BenchSpec, stages=(0, 1, 2, 3)) -> Dict[str, Any]:
+    import bench_models
+
+    import zeroray as zr
+    from common import model_fn
+    from zeroray.comm.group import SoloGroup
+    from zeroray.engine.engine import Engine
+
+    floor = Floor(spec)  # sets one thread
+    engines = {s: Engine(model_fn(replace(spec, num_workers=1)), bench_models.lm_loss,
+                         zr.AdamW(lr=spec.lr, weight_decay=spec.weight_decay), zr.ZeroConfig(stage=s), SoloGroup(),
+                         seed=spec.seed) for s in stages}
+    wall: Dict[int, List[float]] = {s: [] for s in stages}
+    cpu: Dict[int, List[float]] = {s: [] for s in stages}
+    try:
+        for batch in global_batches(spec):
+            share = tuple(t[:spec.batch_per_worker] for t in batch)
+            for s, engine in engines.items():
+                c0, t0 = time.process_time(), time.perf_counter()
+                engine.train_step(share)
+                wall[s].append(time.perf_counter() - t0)
+                cpu[s].append(time.process_time() - c0)
+            floor.step(batch)  # right after: the same moment's background load
+    finally:
+        for engine in engines.values():
+            engine.close()
+    w = spec.warmup_steps
+    # The CPU seconds too: what the engine adds is work on the worker's thread, which the process's
+    # CPU time counts whatever else shares the machine (wall times also count the waits for a core).
+    return {"params": floor.numel, "fwd_bwd_all_s": floor.fwd_bwd[w:], "adamw_all_s": floor.adamw[w:],
+            "cpu_fwd_bwd_all_s": floor.cpu_fwd_bwd[w:], "cpu_adamw_all_s": floor.cpu_adamw[w:],
+            "stages": {str(s): {"engine_step_all_s": wall[s][w:], "cpu_engine_step_all_s": cpu[s][w:]} for s in stages},
+            "load": os.getloadavg(), "at": time.time()}
+
+
+def engine_solo(models=MODELS, steps: int = 20, warmup: int = 3) -> Dict[str, Any]:
+    """The engine's own single-process step of each stage (over a ``SoloGroup``: the hooks, the
+    gradient copies into the buckets, stage 3's fetching, the flat AdamW and the step's bookkeeping,
+    no peer), the four stages' engines and the floor stepped in turn in this process on one thread,
+    per model and for the overhead rows' tiny model (``tiny``). What the engine's step costs on one
+    process beyond the plain PyTorch step is the engine's, not the cluster's: plan_check calibrates
+    each stage's compute from it (each row's lone floor times the engine/floor ratio of the same
+    moments)."""
+    add_import_paths()
+    out: Dict[str, Any] = {}
+    for m in models + ("tiny",):
+        spec = tiny_spec(1, steps, warmup) if m == "tiny" else spec_for(m, 1, steps, warmup)
+        r = out[m] = _engine_solo_model(spec)
+        print(f"  {m}: the engine's single-process step " + ", ".join(
+            f"stage {s} {statistics.median(x['cpu_engine_step_all_s']) * 1e3:.1f}" for s, x in r["stages"].items()) +
+            f" ms of CPU; the floor's forward+backward {statistics.median(r['cpu_fwd_bwd_all_s']) * 1e3:.1f} ms + "
+            f"AdamW {statistics.median(r['cpu_adamw_all_s']) * 1e3:.1f} ms", flush=True)
+    return out
+
+
+def tiny_spec(workers: int, steps: int, warmup: int) -> BenchSpec:
+    """The overhead rows' model: almost no work, the Ray call and the engine's fixed per-step work."""
+    return replace(spec_for("gpt", workers, steps, warmup), d_model=32, n_layers=1, n_heads=1, seq_len=16,
+                   batch_per_worker=1)
 
 
 def calibrate_gloo(worlds: List[int], sizes_mb=GLOO_MB) -> List[Dict[str, Any]]:
@@ -222,6 +321,10 @@ def measure(models=MODELS, worlds=(2, 3), rounds: int = 2, steps: int = 8, warmu
     result["gloo"] = calibrate_gloo(list(worlds))
     print("the floor with every core busy ...", flush=True)
     result["contended"] = measure_contention(models, steps, warmup)
+    print("the floor with more workers than cores ...", flush=True)
+    result["oversubscribed"] = measure_oversubscribed(models, worlds, steps, warmup)
+    print("the engine's single-process step ...", flush=True)
+    result["engine_solo"] = engine_solo(models, warmup=warmup)
     from zr_run import ZeroraySession
 
     import logging
@@ -243,8 +346,7 @@ def measure(models=MODELS, worlds=(2, 3), rounds: int = 2, steps: int = 8, warmu
 
     try:
         for workers in worlds:
-            tiny = replace(spec_for("gpt", workers, steps, warmup), d_model=32, n_layers=1, n_heads=1, seq_len=16,
-                           batch_per_worker=1)
+            tiny = tiny_spec(workers, steps, warmup)
             rec = measure_steps(session, "gpt", workers, steps, warmup, rounds, spec=tiny)
             result["overhead"][str(workers)] = rec
             print(f"  overhead, {workers} workers (tiny model): " +

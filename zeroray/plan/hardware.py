@@ -19,9 +19,10 @@ CPU workers (``cores`` > 0) share the node's cores: with one thread each, ``W`` 
 cores each get ``C / W`` of a core for everything they compute, copy or launch (``core_share``);
 with ``W >= C`` no core is left for communication, and a collective's time, gloo's α–β measured
 at that world size on the same cores, adds to the step instead of overlapping it (``saturated``).
-The ``cpu`` preset's figures are placeholders of this class of machine: benchmarks/plan_check.py
-builds this machine's from what benchmarks/plan_measure.py measured (the single-process step, the
-flat AdamW step, gloo's α–β and a tiny model's step for ``step_overhead_s``).
+The ``cpu`` preset's figures are placeholders of this class of machine: calibrate.py's
+``cpu_cluster`` builds a machine's from what benchmarks/plan_measure.py measured on it (the
+engine's single-process step, the flat AdamW step, gloo's α–β, the step's copies run together, and
+a tiny model's step for ``step_overhead_s``; [Note: CPU calibration]).
 
 ``straggler`` (>= 1) is how much longer a step's compute takes when every rank must wait for the
 slowest: the ranks of a data-parallel step meet at its collectives, so the step moves at the pace
@@ -29,9 +30,10 @@ of the slowest rank, not of a typical one. On dedicated GPUs the ranks' times ba
 CPU workers that share a machine's cores do not run alike: the OS schedules them unevenly, and
 one of them is behind at every collective (the engine's comm_report shows one rank waiting tens
 of milliseconds on its peers at every step). It is measured, not fitted: the median over steps of
-the slowest of ``cores`` copies of the single-process step started together, over the median of
-all of their steps (benchmarks/plan_measure.py's ``contended_floor``). A single worker waits for
-no one and does not pay it.
+the slowest of one copy per worker (where the workers outnumber the cores; else one per core) of
+the single-process step started together, over the median of all of their steps
+(benchmarks/plan_measure.py's ``contended_floor``). A single worker waits for no one and does not
+pay it.
 """
 from __future__ import annotations
 
