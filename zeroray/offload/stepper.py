@@ -203,7 +203,9 @@ class DiskStepper:
                                          slot, stateful[id(pc.param)])
                 writes[i] = [self.files.write(k, a, state.pop(k)) for k in self.keys if k in state]
                 if self.target is not None:  # the update, into the memory compute reads (cast as a publish casts)
-                    self.target.write(a, slot[MASTER][:b - a])
+                    cast = self.target.write(a, slot[MASTER][:b - a])
+                    if cast is not None:  # the parameter shard on disk: its write ([Note: parameter shard on disk])
+                        writes[i].append(cast)
                     writes[i].append(self.files.write(MASTER, a, slot[MASTER][:b - a]))
                 if b == pc.end:
                     inner.state[pc.param] = state  # the scalars: every chunk of the piece agrees
