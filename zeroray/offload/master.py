@@ -12,7 +12,9 @@ the stage-3 parameter shard the units are gathered from), and write master and s
 cast is the one the storage's publish makes of the whole master (``copy_``, element by
 element), so the parameters are bitwise those of the run with the master in memory, and the
 publish then only starts the stage 1-2 gathers. In fp32 the master *is* the parameters (the
-arena, its rows, the stage-3 shard), which compute or the gathers read, so it stays in memory.
+arena, its rows), which compute or the gathers read, so it stays in memory; at stage 3 the
+parameter shard is in a file of its own ([Note: parameter shard on disk] in offload/shard.py),
+the target in every dtype, whose ``write`` casts a chunk and writes it behind the step.
 
 ``DiskMaster`` stands where the master's ``LocalShard`` stands in the storage, offering what
 its users ask of it: ``numel`` and ``breaks`` (none, as for a master in memory: the

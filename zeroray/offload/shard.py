@@ -156,10 +156,12 @@ class DiskShard:
             f.result()
 
     def stats(self) -> Dict[str, float]:
-        """Totals since the shard was made: bytes read and written, the ranges sent from a
-        read-ahead buffer (hits) or read when sent (misses), and the seconds gathers waited."""
+        """Totals since the shard was made: bytes read and written, seconds the pool's threads
+        spent in I/O, the ranges sent from a read-ahead buffer (hits) or read when sent
+        (misses), and the seconds the gathers waited for reads."""
         return {"shard_bytes_read": self.files.bytes_read, "shard_bytes_written": self.files.bytes_written,
-                "shard_hits": self.hits, "shard_misses": self.misses, "shard_wait_s": self.wait_seconds}
+                "shard_io_s": self.files.io_seconds, "shard_hits": self.hits, "shard_misses": self.misses,
+                "shard_wait_s": self.wait_seconds}
 
     def close(self) -> None:
         try:

@@ -10,7 +10,10 @@ rank used ([Note: unused parameters] in engine/flat_pieces.py) among them, runs 
 In mixed precision the fp32 master is in the files too, one more file (``MASTER``), read and
 written with the state, and each stepped chunk is cast into the parameter memory (``target``):
 [Note: master on disk] in offload/master.py. In fp32 the master is the parameters and stays in
-memory. The gradient, clipping and loss scaling stay where they were.
+memory, except at stage 3, where the parameter shard is in a file and the master with it
+([Note: parameter shard on disk] in offload/shard.py; the "cast" is then a write of its own,
+whose future the step waits for as for its others). The gradient, clipping and loss scaling
+stay where they were.
 
 A step walks the pieces the optimizer would step (those with a gradient) in order, cut into
 chunks of at most ``chunk_elems`` elements, through three slots of buffers, one tensor per
