@@ -239,7 +239,7 @@ def build_storage(policy: StagePolicy, layout: FlatLayout, named: Dict[str, torc
         param_shard = LocalShard.arena_rows(layout, units.arena, rank)
         master = param_shard if fp32 else LocalShard.contiguous(init)
     elif master_on_disk:  # stage 3, offloaded: the shard in a file, and so the master too
-        param_shard = DiskShard(init.to(dtype), offload_dir, rank)
+        param_shard = DiskShard(init.to(dtype), offload_dir, rank, mapped=mapped)
         master = DiskMaster(init, param_shard)
     else:  # stage 3: a shard of its own
         master = LocalShard.contiguous(init)

@@ -39,9 +39,10 @@ the shard's. (One file for both would save those writes; not built.)
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, ContextManager, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -55,10 +56,14 @@ class DiskShard:
     """This rank's stage-3 parameter shard in a file of its own, in the compute dtype of
     ``values`` (its initial values, written at once); see [Note: parameter shard on disk]."""
 
-    def __init__(self, values: torch.Tensor, folder: Optional[str], rank: int) -> None:
+    def __init__(self, values: torch.Tensor, folder: Optional[str], rank: int,
+                 mapped: Optional[Callable[[], ContextManager]] = None) -> None:
+        """``mapped``: the context its buffers are allocated in (``MappedBlocks.mapped``, as the
+        unit buffers are: [Note: process memory] in memory/process.py)."""
         if values.device.type != "cpu":
             raise ValueError(f"the parameter shard on disk is read into host memory; it is on {values.device}")
         self.dtype, self.device = values.dtype, values.device
+        self._mapped = mapped or contextlib.nullcontext
         self._numel = values.numel()
         self.files = StateFiles(folder, rank, self._numel, [PARAMS], dtype=self.dtype,
                                 what="the stage-3 parameter shard")
@@ -86,7 +91,7 @@ class DiskShard:
     def prefetch(self, a: int, b: int) -> None:
         """Start reading elements [a, b) for a gather to come (nothing if already under way)."""
         if b > a and a not in self.ahead:
-            buf = torch.empty(b - a, dtype=self.dtype)
+            buf = self._empty(b - a)
             self.ahead[a] = (b, buf, self.files.read(PARAMS, a, buf, after=self._pending()))
 
     def __getitem__(self, index: slice) -> torch.Tensor:
@@ -112,10 +117,14 @@ class DiskShard:
                 future.result()
                 parts.append(buf)
             self.hits += 1
-            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if len(parts) == 1:
+                out = parts[0]
+            else:
+                with self._mapped():
+                    out = torch.cat(parts)
         else:
             self.misses += 1
-            out = torch.empty(b - a, dtype=self.dtype)
+            out = self._empty(b - a)
             self.files.read(PARAMS, a, out, after=self._pending()).result()
         self.wait_seconds += time.perf_counter() - t0
         return out
@@ -127,7 +136,7 @@ class DiskShard:
         start writing it; the write's future (the step waits for it before reusing its slots)."""
         self.ahead.clear()  # read before this write: perhaps stale
         with torch.no_grad():
-            buf = torch.empty(src.numel(), dtype=self.dtype).copy_(src)  # a publish's cast
+            buf = self._empty(src.numel()).copy_(src)  # a publish's cast
         future = self.files.write(PARAMS, a, buf)
         self.pending = [*self._pending(), future]
         return future
@@ -143,6 +152,12 @@ class DiskShard:
     def cpu(self) -> torch.Tensor:
         """The whole shard, a new tensor in host memory."""
         return self.read(0, self._numel) if self._numel else torch.empty(0, dtype=self.dtype)
+
+    def _empty(self, numel: int) -> torch.Tensor:
+        """A buffer whose memory goes back to the OS when it is freed: the buffers come and go
+        a few times a step, between the activations, as the unit buffers do."""
+        with self._mapped():
+            return torch.empty(numel, dtype=self.dtype)
 
     def _pending(self) -> List[Future]:
         self.pending = [f for f in self.pending if not f.done() or f.exception() is not None]
