@@ -5,7 +5,8 @@ parameters), and single-process PyTorch within the parity tests' tolerance. Chun
 elements, so that every shard steps in several chunks through the three slots. At stage 3 the
 parameter shard is on disk too, read ahead of the gathers ([Note: parameter shard on disk] in
 zeroray/offload/shard.py): fp32 and bf16, with gradient accumulation and clipping, bitwise the
-in-memory run, and no byte of the shard (nor the master) in the memory report."""
+in-memory run (an evaluation after the steps too, whose negotiated gathers read the shard when
+they send it), and no byte of the shard (nor the master) in the memory report."""
 import os
 
 import pytest
@@ -15,6 +16,7 @@ import zeroray as zr
 from tests.dist.harness import run_engines
 from tests.dist.test_engine_parity import assert_parity, ref_adamw, ADAMW
 from tests.models import branch_model, lm_loss, make_batches, parity_model, reference_run
+from zeroray.engine.batch import split_batch
 from zeroray.memory.report import measure
 
 STEPS = 5
@@ -29,11 +31,13 @@ def _spec(stage, batches, offload_dir=None, model_fn=parity_model, optimizer=Non
 
 
 def _inspect(engine):
-    """The disk tier's totals, the master's bytes still in memory, and the memory report's
-    optimizer term measured and estimated (memory/report.py)."""
+    """An evaluation after the steps (stage 3: negotiated gathers, the shard read when sent),
+    the disk tier's totals, the master's and the shard's bytes still in memory, and the memory
+    report's terms measured and estimated (memory/report.py)."""
+    evaluation = engine.evaluate(split_batch(make_batches(1, seed=7)[0], 2)[engine.rank])
     report = measure(engine)
     shard = engine.param_shard.tensors() if engine.param_shard is not None else []
-    return {**engine.offload_stats(), "master_in_memory": sum(t.numel() for t in engine.master.tensors()),
+    return {**engine.offload_stats(), "evaluation": evaluation, "master_in_memory": sum(t.numel() for t in engine.master.tensors()),
             "shard_in_memory": sum(t.numel() for t in shard),
             "params_measured": report["measured"]["params"], "params_estimated": report["estimate"]["params"],
             "optimizer_measured": report["measured"]["optimizer"],
@@ -78,6 +82,7 @@ def test_offload_equals_memory_and_pytorch(runs, name):
     (mem_results, mem_params), (off_results, off_params) = by_name[name]
     for mem, off in zip(mem_results, off_results):
         assert mem["losses"] == off["losses"] and mem["norms"] == off["norms"] and mem["skipped"] == off["skipped"]
+        assert mem["inspect"]["evaluation"] == off["inspect"]["evaluation"]
     for key, want in mem_params.items():
         assert torch.equal(off_params[key], want), f"{name}: {key} differs from the in-memory run"
     ref = CASES[name][3]
