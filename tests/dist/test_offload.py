@@ -37,7 +37,9 @@ def _inspect(engine):
     evaluation = engine.evaluate(split_batch(make_batches(1, seed=7)[0], 2)[engine.rank])
     report = measure(engine)
     shard = engine.param_shard.tensors() if engine.param_shard is not None else []
-    return {**engine.offload_stats(), "evaluation": evaluation, "master_in_memory": sum(t.numel() for t in engine.master.tensors()),
+    disk = engine.optimizer.disk
+    return {**engine.offload_stats(), "evaluation": evaluation, "master_is_shard_file": disk is not None and disk.shared,
+            "master_in_memory": sum(t.numel() for t in engine.master.tensors()),
             "shard_in_memory": sum(t.numel() for t in shard),
             "params_measured": report["measured"]["params"], "params_estimated": report["estimate"]["params"],
             "optimizer_measured": report["measured"]["optimizer"],
@@ -96,6 +98,8 @@ def test_offload_equals_memory_and_pytorch(runs, name):
         assert stats["bytes_written"] > 0 and (stats["bytes_read"] > 0) == (stats["steps"] > 1 or master_on_disk)
         # mixed precision and stage 3: the fp32 master is in the files too ([Note: master on disk]), read every step
         assert (stats["master_in_memory"] == 0) == master_on_disk
+        # fp32 at stage 3: the shard's file is the master's ([Note: parameter shard on disk])
+        assert stats["master_is_shard_file"] == (stage3 and CASES[name][0].get("dtype", "fp32") == "fp32")
         if stage3:  # the shard is in its file: none of it in memory between steps, nor in the report
             assert stats["shard_in_memory"] == 0 and stats["params_measured"] == stats["params_estimated"] == 0
             # every gather read its slice from the file; after the first step (negotiated, no

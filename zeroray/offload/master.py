@@ -62,7 +62,8 @@ class DiskMaster:
         if self._initial is None:
             raise RuntimeError("the master is on disk already")
         self.stepper = stepper
-        stepper.write_master(0, self._initial)
+        if not stepper.shared:  # shared (fp32, stage 3): the shard's file holds these very values already
+            stepper.write_master(0, self._initial)
         self._initial = None
 
     # --- what the storage and the optimizer ask of a master ---------------------------------

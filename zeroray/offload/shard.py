@@ -32,17 +32,18 @@ often the largest) included, is read for each gather of it, as each is gathered 
 peers for each use; keeping one in memory would hold its bytes for the whole step, where
 read-ahead hides its read behind the compute before it.
 
-In fp32 the master and the parameter shard hold the same values; with the shard on disk the
-master is on disk too (a file of its own, which the step reads and writes chunk by chunk
-with the state), so the same values are written twice per step, into the master's file and
-the shard's. (One file for both would save those writes; not built.)
+In fp32 the master and the parameter shard hold the same values, so the shard's file is the
+master's too: the step reads each chunk of the master from it (``read_into``, after the writes
+pending) and its update is the one ``write`` (a copy, not a cast); the stepper has no master
+file of its own then (``DiskStepper.shared`` in offload/stepper.py). In bf16/fp16 the master
+has its file in the stepper's tier, and ``write`` casts.
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from concurrent.futures import Future
-from typing import Callable, ContextManager, Dict, List, Optional, Tuple, Union
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -128,6 +129,11 @@ class DiskShard:
             self.files.read(PARAMS, a, out, after=self._pending()).result()
         self.wait_seconds += time.perf_counter() - t0
         return out
+
+    def read_into(self, a: int, out: torch.Tensor, after: Sequence[Future] = ()) -> Future:
+        """Start reading elements [a, a + out.numel()) into ``out``, after the writes pending and
+        ``after``: in fp32 the optimizer step's reads of the master, whose values these are."""
+        return self.files.read(PARAMS, a, out, after=[*self._pending(), *after])
 
     # --- what the optimizer step and an import write ----------------------------------------
 

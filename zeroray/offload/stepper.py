@@ -67,6 +67,7 @@ import torch
 
 from zeroray.layout.local_shard import LocalShard
 from zeroray.memory.model import OFFLOAD_SLOTS as SLOTS, offload_chunk_elements
+from zeroray.offload.shard import DiskShard
 from zeroray.offload.tier import ELEMENT_BYTES, StateFiles
 
 MASTER = "master"  # the file of the fp32 master, when it is on disk too ([Note: master on disk] in offload/master.py)
@@ -105,12 +106,15 @@ class DiskStepper:
 
     def __init__(self, files: StateFiles, chunk_elems: int, target: Optional[LocalShard] = None) -> None:
         self.files, self.keys = files, [k for k in files.keys if k != MASTER]
-        if (target is not None) != (MASTER in files.keys):
+        # fp32 at stage 3: the parameter shard's file holds the master's values ([Note: parameter
+        # shard on disk] in offload/shard.py), so it is the master's file too
+        self.shared = isinstance(target, DiskShard) and target.dtype == torch.float32
+        if (target is not None) != (MASTER in files.keys or self.shared):
             raise ValueError("a disk stepper with the master on disk needs both a master file and a target")
         self.target = target
         self.chunk_elems = max(1, min(chunk_elems, files.numel or 1))
-        self.slots = [{k: torch.empty(self.chunk_elems, dtype=torch.float32) for k in files.keys}
-                      for _ in range(SLOTS)]
+        self.slots = [{k: torch.empty(self.chunk_elems, dtype=torch.float32)
+                       for k in [*files.keys, *([MASTER] if self.shared else [])]} for _ in range(SLOTS)]
         self.steps, self.wait_seconds, self.step_seconds = 0, 0.0, 0.0
         # The master ranges whose state is in the files, [start, end) merged: a piece has state
         # when its start lies in one. Kept here, not in inner.state, because an optimizer whose
@@ -144,8 +148,11 @@ class DiskStepper:
         (``stateful``), its master when that is on disk (after the writes still pending from the
         last step, which may cover the same range)."""
         slot = self.slots[i % SLOTS]
-        keys = (self.keys if stateful else []) + ([MASTER] if self.target is not None else [])
-        return [self.files.read(k, a, slot[k][:b - a], after=self.pending) for k in keys]
+        keys = (self.keys if stateful else []) + ([MASTER] if self.target is not None and not self.shared else [])
+        reads = [self.files.read(k, a, slot[k][:b - a], after=self.pending) for k in keys]
+        if self.shared:
+            reads.append(self.target.read_into(a, slot[MASTER][:b - a], after=self.pending))
+        return reads
 
     def prefetch(self, pieces: Sequence[Any]) -> None:
         """Start reading the first chunks of the next step into their slots, so that the reads
@@ -209,7 +216,8 @@ class DiskStepper:
                     cast = self.target.write(a, slot[MASTER][:b - a])
                     if cast is not None:  # the parameter shard on disk: its write ([Note: parameter shard on disk])
                         writes[i].append(cast)
-                    writes[i].append(self.files.write(MASTER, a, slot[MASTER][:b - a]))
+                    if not self.shared:  # (shared: that write was the master's)
+                        writes[i].append(self.files.write(MASTER, a, slot[MASTER][:b - a]))
                 if b == pc.end:
                     inner.state[pc.param] = state  # the scalars: every chunk of the piece agrees
                     self._mark(pc.start, pc.end)
@@ -312,12 +320,19 @@ class DiskStepper:
     def read_master(self, start: int, end: int) -> torch.Tensor:
         """Master elements [start, end), read from its file once every write in flight ended."""
         self.drain()
+        if self.shared:
+            out = torch.empty(end - start, dtype=torch.float32)
+            self.target.read_into(start, out).result()
+            return out
         return self.files.read_now(MASTER, start, end)
 
     def write_master(self, start: int, src: torch.Tensor) -> None:
         """Write ``src`` over the master from element ``start`` (an import, the initial values)."""
         self.drain()
-        self.files.write_now(MASTER, start, src)
+        if self.shared:
+            self.target.write(start, src.detach().to(torch.float32).reshape(-1)).result()
+        else:
+            self.files.write_now(MASTER, start, src)
 
     def buffers(self) -> List[torch.Tensor]:
         """The slots' tensors: the memory the tier holds."""
@@ -345,8 +360,10 @@ def make_stepper(builder: Callable[[List[dict]], torch.optim.Optimizer], overrid
     the master on disk too when ``target`` is given (the parameter memory its updates are cast
     into); None when there is nothing to move (plain SGD, the master in memory). Chunks hold
     ``chunk_bytes`` over all the files (memory/model.py's ``offload_chunk_elements``)."""
-    keys = element_keys(builder, overrides) + ([MASTER] if target is not None else [])
-    if not keys:
+    # fp32 at stage 3: the master's values are in the parameter shard's file (DiskStepper.shared)
+    shared = isinstance(target, DiskShard) and target.dtype == torch.float32
+    keys = element_keys(builder, overrides) + ([MASTER] if target is not None and not shared else [])
+    if not keys and not shared:
         return None
     files = StateFiles(folder, rank, numel, keys)
-    return DiskStepper(files, offload_chunk_elements(chunk_bytes, len(keys), numel), target)
+    return DiskStepper(files, offload_chunk_elements(chunk_bytes, len(keys) + shared, numel), target)
