@@ -11,9 +11,10 @@ In mixed precision the fp32 master is in the files too, one more file (``MASTER`
 written with the state, and each stepped chunk is cast into the parameter memory (``target``):
 [Note: master on disk] in offload/master.py. In fp32 the master is the parameters and stays in
 memory, except at stage 3, where the parameter shard is in a file and the master with it
-([Note: parameter shard on disk] in offload/shard.py; the "cast" is then a write of its own,
-whose future the step waits for as for its others). The gradient, clipping and loss scaling
-stay where they were.
+([Note: parameter shard on disk] in offload/shard.py): the "cast" is then a write of its own,
+whose future the step waits for as for its others, and in fp32 the shard's file is the
+master's (``shared``: no master file here, the master's chunks read from the shard's file and
+its update written once). The gradient, clipping and loss scaling stay where they were.
 
 A step walks the pieces the optimizer would step (those with a gradient) in order, cut into
 chunks of at most ``chunk_elems`` elements, through three slots of buffers, one tensor per
@@ -61,7 +62,7 @@ import contextlib
 import copy
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -104,7 +105,8 @@ class DiskStepper:
     of it is cast into ([Note: master on disk] in offload/master.py); None: the master is the
     pieces' own memory."""
 
-    def __init__(self, files: StateFiles, chunk_elems: int, target: Optional[LocalShard] = None) -> None:
+    def __init__(self, files: StateFiles, chunk_elems: int,
+                 target: Optional[Union[LocalShard, DiskShard]] = None) -> None:
         self.files, self.keys = files, [k for k in files.keys if k != MASTER]
         # fp32 at stage 3: the parameter shard's file holds the master's values ([Note: parameter
         # shard on disk] in offload/shard.py), so it is the master's file too
@@ -355,7 +357,7 @@ class DiskStepper:
 
 def make_stepper(builder: Callable[[List[dict]], torch.optim.Optimizer], overrides: Sequence[Dict[str, Any]],
                  folder: Optional[str], rank: int, numel: int, chunk_bytes: int,
-                 target: Optional[LocalShard] = None) -> Optional[DiskStepper]:
+                 target: Optional[Union[LocalShard, DiskShard]] = None) -> Optional[DiskStepper]:
     """The disk stepper for an optimizer ``builder`` over param groups with ``overrides``, with
     the master on disk too when ``target`` is given (the parameter memory its updates are cast
     into); None when there is nothing to move (plain SGD, the master in memory). Chunks hold

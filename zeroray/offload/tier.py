@@ -51,8 +51,8 @@ def offload_error(folder: str, what: str, error: OSError) -> OffloadError:
         return OffloadError(
             f"offload_dir {folder!r} is full ({error.strerror}, {free}) while {what}: give ZeroConfig.offload_dir "
             "a file system with room for the optimizer state (its size is in the error of the allocation, or "
-            "8 bytes per parameter element for Adam, 12 in bf16/fp16 with the fp32 master, 16 and 14 at stage 3 "
-            "with the parameter shard, divided by the number of workers at stages 1-3)",
+            "8 bytes per parameter element for Adam, 12 in bf16/fp16 with the fp32 master; at stage 3, with the "
+            "parameter shard, 12 in fp32 and 14 in bf16/fp16; divided by the number of workers at stages 1-3)",
             error.errno)
     return OffloadError(
         f"offload_dir {folder!r} cannot be used ({error.strerror or error}) while {what}: point "
