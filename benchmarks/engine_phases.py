@@ -15,7 +15,9 @@ gather launch), total; for zeroray also ``exposed`` and ``comm``
 (comm_report's exposed_s and comm_s), the step's collectives by kind (``n_*``: calls), the stage 3
 coordinator's counters (``c_*``; ``c_on_demand`` counts units, not collectives) and, with
 offload="disk", the step's state I/O (``off_*``: bytes read and written, the I/O threads'
-seconds, the seconds the step waited for them). Without
+seconds, the seconds the step waited for them; at stage 3 also the parameter shard's,
+``off_shard_*``: bytes, I/O seconds, the gathers' wait for reads, and the slices read ahead
+(hits) or when sent (misses)). Without
 Ray, this separates the engine's cost from the runtime's; ``exposed`` with prefetch on and off
 is the issue's "exposed communication" comparison as a median over steps.
 """
@@ -114,7 +116,9 @@ def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, ov
         row.update({"n_" + k: float(v.calls) for k, v in group.counter.collectives.items()})
         # offload="disk": this step's state I/O (bytes, the pool's I/O seconds, the step's wait for it)
         row.update({"off_" + k: offload_after[k] - offload_before[k]
-                    for k in ("bytes_read", "bytes_written", "io_s", "wait_s") if k in offload_after})
+                    for k in ("bytes_read", "bytes_written", "io_s", "wait_s", "shard_bytes_read",
+                              "shard_bytes_written", "shard_io_s", "shard_wait_s", "shard_hits", "shard_misses")
+                    if k in offload_after})
         rows.append(row)
     engine.close()
     group.close()

@@ -87,16 +87,19 @@ class ZeroConfig:
         disk] in zeroray/offload/master.py); the optimizer steps a chunk of
         ``offload_chunk_bytes`` at a time, reading the next chunk's master and state and writing
         the last one's while the current one steps, and casts each updated chunk into the
-        parameters, so memory holds a few chunks, never all of it. In fp32 the master is the
-        parameters themselves and stays in memory; so do the gradient and the compute-dtype
-        parameters (at stage 3 the parameter shard). Any worker, any stage. "cpu" (the GPU
-        workers' host-memory tier) is not built yet: it is refused.
+        parameters, so memory holds a few chunks, never all of it. At stage 3 the parameter
+        shard is in a file too, read ahead of the gathers along the fetch trace and written by
+        the step, and with it the fp32 master in every dtype ([Note: parameter shard on disk] in
+        zeroray/offload/shard.py). At stages 0-2 in fp32 the master is the parameters themselves
+        and stays in memory; so do the gradient and the compute-dtype parameters (the arena).
+        Any worker, any stage. "cpu" (the GPU workers' host-memory tier) is not built yet: it is
+        refused.
     offload_dir: with offload="disk", the directory each worker makes its scratch folder in
         (unlinked as soon as its files are open, so nothing is left behind however the worker
         ends; their space is freed when the engine closes); None: the system's temporary
         directory. The files are scratch: checkpoints hold the optimizer state as without offload.
     offload_chunk_bytes: with offload="disk", the bytes of one chunk, summed over the files
-        (Adam: 8 bytes per element, 12 in mixed precision with the master); memory holds three
+        (Adam: 8 bytes per element, 12 with the master: mixed precision, stage 3); memory holds three
         chunks (one stepping, one being read, one being written): 48 MiB by default. Larger chunks cost memory; smaller ones more
         Python calls per step.
     """

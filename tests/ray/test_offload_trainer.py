@@ -1,7 +1,9 @@
 """offload="disk" through the Trainer: the workers' optimizer state in files under offload_dir;
 save at 2 workers (stage 3), restore at 3 (stage 2), resize in place 3 -> 2: the run equals uninterrupted single-process PyTorch within 1e-5, as without offload
 (tests/ray/test_checkpoint_resize.py). In bf16 (the fp32 master on disk too, [Note: master on
-disk] in zeroray/offload/master.py) the save and restore equal the same without offload bitwise.
+disk] in zeroray/offload/master.py) the save at 2 workers and the restore at 3, both at stage 3
+with the parameter shard on disk ([Note: parameter shard on disk] in zeroray/offload/shard.py),
+equal the same without offload bitwise.
 A worker SIGKILLed mid-fit with the master and state on disk recovers, from the disk checkpoint
 (the group restarts) or from an in-memory snapshot (the survivor keeps its process and its
 files, which the snapshot's import overwrites), and the run equals the uninterrupted one
@@ -56,14 +58,14 @@ def test_unusable_offload_dir_fails_the_start(ray_local, tmp_path):
 
 
 def _save_restore(batches, root, zero):
-    """Save at 2 workers (stage 3), restore at 3 (stage 2): every step's result and the final
+    """Save at 2 workers, restore at 3, both stage 3: every step's result and the final
     state_dict. (Resize moves the state the same way a restore does; the fp32 test above covers
-    it with offload.)"""
+    it with offload, and the restore into stage 2.)"""
     with zr.Trainer(parity_model, lm_loss, optimizer=zr.AdamW(**OPT), zero=zero(3),
                     scaling=zr.ScalingConfig(num_workers=2)) as trainer:
         results = [trainer.step(b) for b in batches[:SPLIT]]
         trainer.save(root)
-    with zr.Trainer.restore(root, parity_model, lm_loss, optimizer=zr.AdamW(**OPT), zero=zero(2),
+    with zr.Trainer.restore(root, parity_model, lm_loss, optimizer=zr.AdamW(**OPT), zero=zero(3),
                             scaling=zr.ScalingConfig(num_workers=3)) as restored:
         results += [restored.step(b) for b in batches[SPLIT:]]
         return results, restored.state_dict()
@@ -80,7 +82,7 @@ def test_bf16_master_on_disk_save_restore_equals_memory(ray_local, reference, tm
     got, got_sd = _save_restore(batches, str(tmp_path / "disk"), on_disk)
     assert [r.loss for r in got] == [r.loss for r in want] and [r.grad_norm for r in got] == [r.grad_norm for r in want]
     worst = max((got_sd[k] - v).abs().max().item() for k, v in want_sd.items())
-    print(f"bf16, master and state on disk: save at 2, restore at 3: max diff to in-memory {worst:.1e}")
+    print(f"bf16 stage 3, shard, master and state on disk: save at 2, restore at 3: max diff to in-memory {worst:.1e}")
     assert all(torch.equal(got_sd[k], v) for k, v in want_sd.items())
     assert os.listdir(scratch) == []
 

@@ -224,15 +224,21 @@ def test_offload_to_disk_leaves_the_disk_tiers_buffers():
     """offload="disk": the optimizer term (state, and the fp32 master in mixed precision) leaves
     memory, three chunks of every file stay ([Note: disk offload] in zeroray/offload/stepper.py)."""
     phi, nd, chunk = 10**9, 4, 12 * 2**20
-    # bf16 Adam: 3 files (exp_avg, exp_avg_sq, master) of 1 Mi elements per chunk
+    # bf16 Adam: 3 files (exp_avg, exp_avg_sq, master) of 1 Mi elements per chunk; at stage 3
+    # the parameter shard is in a file too ([Note: parameter shard on disk]): the gradient stays
     buffers = 3 * 3 * 4 * 2**20
-    assert estimate_memory(phi, nd, 3, "bf16", offload="disk", offload_chunk_bytes=chunk) == 4 * phi // nd + buffers
+    assert estimate_memory(phi, nd, 3, "bf16", offload="disk", offload_chunk_bytes=chunk) == 2 * phi // nd + buffers
     assert estimate_memory(phi, nd, 1, "bf16", offload="disk", offload_chunk_bytes=chunk) == 4 * phi + buffers
     # fp32 Adam: 2 files (the master is the parameters, counted under P)
     assert estimate_memory(phi, nd, 2, "fp32", offload="disk", offload_chunk_bytes=8 * 2**20) == \
         4 * phi + 4 * phi // nd + 3 * 2 * 4 * 2**20
-    # plain SGD in fp32: no files, nothing held; a shard smaller than a chunk holds a chunk of its size
-    assert estimate_memory(phi, nd, 3, "fp32", "sgd", offload="disk") == 8 * phi // nd
-    assert estimate_memory(1000, 2, 3, "bf16", offload="disk") == 2 * 500 + 2 * 500 + 3 * 3 * 4 * 500
+    # ... but at stage 3 the master goes to disk with the shard: 3 files, none of P
+    assert estimate_memory(phi, nd, 3, "fp32", offload="disk", offload_chunk_bytes=chunk) == \
+        4 * phi // nd + 3 * 3 * 4 * 2**20
+    # plain SGD in fp32: no files, nothing held (stages 0-2); at stage 3 the master's file, of 16 MiB chunks
+    assert estimate_memory(phi, nd, 2, "fp32", "sgd", offload="disk") == 4 * phi + 4 * phi // nd
+    assert estimate_memory(phi, nd, 3, "fp32", "sgd", offload="disk") == 4 * phi // nd + 3 * 16 * 2**20
+    # a shard smaller than a chunk holds a chunk of its size
+    assert estimate_memory(1000, 2, 3, "bf16", offload="disk") == 2 * 500 + 3 * 3 * 4 * 500
     with pytest.raises(ValueError, match="offload='cpu' is invalid"):
         estimate_memory(phi, nd, 3, offload="cpu")

@@ -2,7 +2,8 @@
 same ShardedOptimizer in memory: bitwise equal parameters and state, for Adam, AdamW (fused and
 not), SGD with momentum, chunks smaller than a segment, parameters left unused, and a state
 export -> import round trip; the fp32 master on disk too (mixed precision), cast into the
-parameter memory chunk by chunk. The files are real files in a temporary directory."""
+parameter memory chunk by chunk, or into the stage-3 parameter shard's file, which in fp32 is the
+master's own. The files are real files in a temporary directory."""
 import os
 import subprocess
 
@@ -13,6 +14,7 @@ import zeroray as zr
 from zeroray.engine.optim import DiskOffload, Segment, ShardedOptimizer
 from zeroray.layout.local_shard import LocalShard
 from zeroray.offload.master import DiskMaster
+from zeroray.offload.shard import DiskShard
 from zeroray.offload.tier import OffloadError, StateFiles
 
 N = 300
@@ -151,34 +153,45 @@ def test_a_full_device_is_reported_as_full(tmp_path):
     assert os.path.exists("/dev/full")
 
 
-def _master_on_disk(spec, folder, chunk_bytes=512, dtype=torch.bfloat16):
+def _master_on_disk(spec, folder, chunk_bytes=512, dtype=torch.bfloat16, shard_on_disk=False):
     """The optimizer with its fp32 master in the files too ([Note: master on disk]), its updates
     cast into a parameter memory of two pieces (as the arena's rows at stages 1-2), broken inside
-    the first segment, so that some chunks are cast into both."""
-    params = [torch.empty(100, dtype=dtype), torch.empty(N - 100, dtype=dtype)]
-    target = LocalShard([(0, params[0]), (100, params[1])])
+    the first segment, so that some chunks are cast into both; or (``shard_on_disk``) into the
+    stage-3 parameter shard's file ([Note: parameter shard on disk]), which in fp32 is the
+    master's file too."""
     initial = torch.linspace(-1, 1, N)
-    target.copy_(initial)
+    if shard_on_disk:
+        target = DiskShard(initial.to(dtype), str(folder), 0)
+    else:
+        params = [torch.empty(100, dtype=dtype), torch.empty(N - 100, dtype=dtype)]
+        target = LocalShard([(0, params[0]), (100, params[1])])
+        target.copy_(initial)
     master = DiskMaster(initial, target)
     opt = ShardedOptimizer(spec, master, torch.zeros(N), SEGMENTS, 1.0, None, param_spans=SPANS,
                            offload=DiskOffload(str(folder), 0, chunk_bytes))
     return opt, master, target
 
 
+TARGETS = {"rows": (torch.bfloat16, False), "shard-bf16": (torch.bfloat16, True), "shard-fp32": (torch.float32, True)}
+
+
 @pytest.mark.parametrize("name", ["adamw_fused", "adam_foreach", "sgd_momentum"])
 @pytest.mark.parametrize("chunk_bytes", [512, 8192])  # 64 elements per chunk, or whole segments
-def test_master_on_disk_equals_master_in_memory(tmp_path, name, chunk_bytes):
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_master_on_disk_equals_master_in_memory(tmp_path, name, chunk_bytes, target):
     """Master, state and the cast parameters bitwise those of the in-memory optimizer followed
-    by a publish (the whole master cast), with unused parameters; memory holds no master."""
+    by a publish (the whole master cast), with unused parameters; memory holds no master. In
+    fp32 with the shard on disk the master has no file of its own: it is the shard's."""
     unused = [(), ("b",), (), ("d", "e"), ()]
+    dtype, shard_on_disk = TARGETS[target]
     ref = _optimizer(SPECS[name])
-    off, master, target = _master_on_disk(SPECS[name], tmp_path, chunk_bytes)
+    off, master, target = _master_on_disk(SPECS[name], tmp_path, chunk_bytes, dtype, shard_on_disk)
     assert master.tensors() == [] and os.listdir(tmp_path) == []
-    assert "master" in off.disk.files.keys
+    assert ("master" in off.disk.files.keys) == (dtype != torch.float32) and off.disk.shared == (dtype == torch.float32)
     _run(ref, 5, unused)
     _run(off, 5, unused)
     assert torch.equal(master.cpu(), ref.master)
-    assert torch.equal(target.cpu(), ref.master.to(torch.bfloat16))
+    assert torch.equal(target.cpu(), ref.master.to(dtype))
     for pname, (lo, hi) in SPANS.items():
         assert torch.equal(master.read(lo, hi), ref.master[lo:hi])
     held = sum(t.numel() for t in off.state_tensors())  # the slots (3 files) and the scalars
@@ -186,6 +199,8 @@ def test_master_on_disk_equals_master_in_memory(tmp_path, name, chunk_bytes):
     stats = off.offload_stats()
     assert stats["bytes_read"] > 0 and stats["bytes_written"] > 0
     off.close()
+    if shard_on_disk:
+        target.close()
 
 
 def test_master_on_disk_export_import(tmp_path):

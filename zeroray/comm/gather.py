@@ -27,8 +27,12 @@ from zeroray.layout.local_shard import LocalShard
 class GatherHandle:
     """An all-gather in flight; ``wait()`` finishes it (copy-out included) exactly once."""
 
-    def __init__(self, units: List[int], handle: Handle, finish: Optional[Callable[[], None]]) -> None:
+    def __init__(self, units: List[int], handle: Handle, finish: Optional[Callable[[], None]],
+                 sent: Sequence[torch.Tensor] = ()) -> None:
+        """``sent``: the tensors sent, held until the gather ends (a shard on disk reads each
+        into a tensor of its own, which nothing else holds: offload/shard.py)."""
         self.units, self._handle, self._finish = units, handle, finish
+        self._sent = list(sent)
 
     def wait(self) -> None:
         self.wait_for(None)
@@ -42,6 +46,7 @@ class GatherHandle:
         elif not self._handle.wait_for(timeout_s):
             return False
         self._handle = None
+        self._sent = []
         if self._finish is not None:
             self._finish()
             self._finish = None
@@ -107,21 +112,21 @@ class UnitGatherer:
             u = layout.units[units[0]]
             inp = self.shard[u.shard_offset:u.shard_offset + u.shard_numel]
             out = fulls[0] if fulls[0] is not None else self._discard_buffer(u.padded)
-            return GatherHandle(units, self.group.all_gather(out, inp, async_op=async_op, channel=channel), None)
+            return GatherHandle(units, self.group.all_gather(out, inp, async_op=async_op, channel=channel), None, [inp])
         order = sorted(range(len(units)), key=lambda i: units[i])
         us = [layout.units[units[i]] for i in order]
+        sends = [self.shard[u.shard_offset:u.shard_offset + u.shard_numel] for u in us]
         pieces = self.group.all_gather_pieces(
             [fulls[i] if fulls[i] is not None else self._discard_buffer(u.padded) for i, u in zip(order, us)],
-            [self.shard[u.shard_offset:u.shard_offset + u.shard_numel] for u in us], async_op=async_op,
-            channel=channel)
+            sends, async_op=async_op, channel=channel)
         if pieces is not None:  # straight into the full buffers: no staging
-            return GatherHandle(units, pieces, None)
+            return GatherHandle(units, pieces, None, sends)
         cols = sum(u.shard_numel for u in us)
         contiguous = all(us[i + 1].index == us[i].index + 1 for i in range(len(us) - 1))
-        if contiguous:  # one view, or one copy where the shard is the arena's rows ([Note: local shard])
-            inp = self.shard.read(us[0].shard_offset, us[0].shard_offset + cols)
-        else:
-            inp = torch.cat([self.shard[u.shard_offset:u.shard_offset + u.shard_numel] for u in us])
+        if contiguous and isinstance(self.shard, LocalShard):  # one view, or one copy where the shard is the
+            inp = self.shard.read(us[0].shard_offset, us[0].shard_offset + cols)  # arena's rows ([Note: local shard])
+        else:  # (a shard on disk read each slice into a tensor of its own already)
+            inp = torch.cat(sends)
         while self._inflight and self._inflight[0].done:
             self._inflight.popleft()
         if not self._free and len(self._inflight) >= self.MAX_STAGING:
@@ -141,9 +146,16 @@ class UnitGatherer:
                     c += u.shard_numel
             self._free.append(staging)
 
-        gathered = GatherHandle(units, handle, finish)
+        gathered = GatherHandle(units, handle, finish, [inp])
         self._inflight.append(gathered)
         return gathered
+
+    def read_ahead(self, units: Sequence[int]) -> None:
+        """The gathers of ``units`` are coming: let the shard start reading their slices (a shard
+        on disk; in memory there is nothing to do)."""
+        for index in units:
+            u = self.layout.units[index]
+            self.shard.prefetch(u.shard_offset, u.shard_offset + u.shard_numel)
 
     def _acquire(self, numel: int) -> torch.Tensor:
         if self._free:

@@ -82,7 +82,8 @@ class Engine:
         offload = self._offload(zero)
         self.storage = build_storage(policy, self.layout, named, kept, group, dtype=self.dtype, device=self.device,
                                      bucket_bytes=zero.base_bucket_bytes, wait=self.waiter,
-                                     master_on_disk=offload is not None)
+                                     master_on_disk=offload is not None,
+                                     offload_dir=offload.folder if offload is not None else None)
         s = self.storage
         self.units, self.master, self.grad, self.param_shard, self.gatherer = \
             s.units, s.master, s.grad, s.param_shard, s.gatherer
@@ -117,8 +118,9 @@ class Engine:
         return DiskOffload(zero.offload_dir, self.rank, zero.offload_chunk_bytes)
 
     def offload_stats(self) -> Dict[str, float]:
-        """The disk tier's I/O totals since the engine was built (empty without offload)."""
-        return self.optimizer.offload_stats()
+        """The disk tier's I/O totals since the engine was built (empty without offload): the
+        optimizer step's, and at stage 3 the parameter shard's (``shard_*``)."""
+        return {**self.optimizer.offload_stats(), **self.storage.offload_stats()}
 
     @property
     def activation_peak_bytes(self) -> int:
@@ -319,3 +321,4 @@ class Engine:
         self._restore_precision()
         self.activations.inner = None
         self.optimizer.close()
+        self.storage.close()

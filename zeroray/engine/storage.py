@@ -34,7 +34,9 @@ the stage:
 
 With ``offload="disk"`` in mixed precision the master is a ``DiskMaster`` (offload/master.py):
 its values live in the disk tier's files, the optimizer step casts each updated chunk into the
-parameter memory itself, and the publish casts nothing ([Note: master on disk]).
+parameter memory itself, and the publish casts nothing ([Note: master on disk]). At stage 3
+the parameter shard is in a file too, a ``DiskShard`` the gatherer reads ahead of each gather,
+and so, in every dtype, is the master ([Note: parameter shard on disk] in offload/shard.py).
 """
 from __future__ import annotations
 
@@ -51,8 +53,10 @@ from zeroray.layout.local_shard import LocalShard
 from zeroray.layout.stage import StagePolicy
 from zeroray.memory.process import MappedBlocks
 from zeroray.offload.master import DiskMaster
+from zeroray.offload.shard import DiskShard
 
 Master = Union[LocalShard, DiskMaster]  # in memory, or in the disk tier's files ([Note: master on disk])
+ParamShard = Union[LocalShard, DiskShard]  # stage 3: in memory, or in a file ([Note: parameter shard on disk])
 
 
 class ReplicatedStorage:
@@ -126,6 +130,13 @@ class ReplicatedStorage:
             with torch.no_grad():
                 self.units.arena.copy_(self.master.as_tensor())
 
+    def close(self) -> None:
+        """Nothing of its own on disk (the optimizer closes the master's files)."""
+
+    def offload_stats(self) -> Dict[str, float]:
+        """No parameter shard, none on disk."""
+        return {}
+
     def _full_start(self, name: str) -> int:
         slot = self.layout.slots[name]
         return self.layout.units[slot.unit].full_offset + slot.offset
@@ -138,7 +149,7 @@ class ShardedStorage:
 
     counts_norm = True  # each rank's gradient shard is its own part of the norm
 
-    def __init__(self, layout: FlatLayout, units: Units, rank: int, master: Master, param_shard: LocalShard,
+    def __init__(self, layout: FlatLayout, units: Units, rank: int, master: Master, param_shard: ParamShard,
                  gatherer: UnitGatherer, *, publish_gathers: bool) -> None:
         self.layout, self.units, self.rank = layout, units, rank
         self.master, self.param_shard, self.gatherer = master, param_shard, gatherer
@@ -187,19 +198,30 @@ class ShardedStorage:
             if self.publish_gathers:
                 coordinator.publish()
 
+    def close(self) -> None:
+        """Remove the parameter shard's scratch file, when it is on disk."""
+        if isinstance(self.param_shard, DiskShard):
+            self.param_shard.close()
+
+    def offload_stats(self) -> Dict[str, float]:
+        """The parameter shard's I/O totals when it is on disk (``DiskShard.stats``), else none."""
+        return self.param_shard.stats() if isinstance(self.param_shard, DiskShard) else {}
+
 
 Storage = Union[ReplicatedStorage, ShardedStorage]  # the two families; build_storage picks one
 
 
 def build_storage(policy: StagePolicy, layout: FlatLayout, named: Dict[str, torch.nn.Parameter], kept: Kept,
                   group: Group, *, dtype: torch.dtype, device: torch.device, bucket_bytes: int,
-                  wait: Callable, master_on_disk: bool = False) -> Storage:
+                  wait: Callable, master_on_disk: bool = False, offload_dir: Optional[str] = None) -> Storage:
     """The units (the model's parameters bound to their buffers) and the storage of ``policy``'s
     family; every tensor the step needs that the optimizer does not allocate itself. ``kept``:
     the slices a sharded build kept (construct/sharded_init.py), else None. ``wait``: the
     engine's polling waiter, for the gatherer. ``master_on_disk``: offload="disk", which puts a
     master that is a copy (mixed precision) in the disk tier ([Note: master on disk] in
-    offload/master.py; the optimizer attaches it to its files)."""
+    offload/master.py; the optimizer attaches it to its files), and at stage 3 the parameter
+    shard in a file under ``offload_dir`` with it, in every dtype ([Note: parameter shard on
+    disk] in offload/shard.py)."""
     fp32, rank = dtype == torch.float32, group.rank
     # The fp32 initial values of the rank's shard, taken before bind rebinds the parameters:
     # the master of stage 3 and of mixed precision at stages 1-2. fp32 stages 0-2 need none,
@@ -216,10 +238,13 @@ def build_storage(policy: StagePolicy, layout: FlatLayout, named: Dict[str, torc
     if not policy.reshard_after_use:  # stages 1-2: the shard is the arena's rows
         param_shard = LocalShard.arena_rows(layout, units.arena, rank)
         master = param_shard if fp32 else LocalShard.contiguous(init)
+    elif master_on_disk:  # stage 3, offloaded: the shard in a file, and so the master too
+        param_shard = DiskShard(init.to(dtype), offload_dir, rank, mapped=mapped)
+        master = DiskMaster(init, param_shard)
     else:  # stage 3: a shard of its own
         master = LocalShard.contiguous(init)
         param_shard = master if fp32 else LocalShard.contiguous(init.to(dtype))
-    if not fp32 and master_on_disk:
+    if not fp32 and master_on_disk and not isinstance(master, DiskMaster):
         master = DiskMaster(init, param_shard)
     gatherer = UnitGatherer(layout, group, param_shard, bucket_bytes, wait=wait)
     return ShardedStorage(layout, units, rank, master, param_shard, gatherer,

@@ -134,6 +134,7 @@ class FetchCoordinator:
         self._begin(micro_batch, MicroBatchRecord())
         if self.schedule is not None:
             self.mode = Mode.FOLLOW
+            self._read_ahead()
         else:
             self.mode = Mode.NEGOTIATE
             self.records[-1].exited = True
@@ -347,6 +348,7 @@ class FetchCoordinator:
 
     def _issue(self, group_units: Tuple[int, ...], wet: bool = True) -> None:
         self._issued += 1
+        self._read_ahead()
         if not wet:
             self._dry.append(self.gatherer.gather(list(group_units), [None] * len(group_units),
                                                   channel=Channel.GATHER))
@@ -355,6 +357,20 @@ class FetchCoordinator:
         handle = self.gatherer.gather(list(group_units), fulls, channel=Channel.GATHER)
         for u in group_units:
             self.units[u].start_gather(handle)
+
+    def _read_ahead(self) -> None:
+        """Let the gatherer's shard start reading the slices of the plan's next gathers, those
+        after the ones issued (``_issued``) up to ``prefetch_bytes`` of units (at least one
+        gather): the same window as the gathers' own prefetch, one window further along the
+        trace. A shard in memory ignores it; one on disk reads them on its thread pool, so that
+        a gather finds its slice in memory ([Note: parameter shard on disk] in offload/shard.py)."""
+        window = 0
+        for k in range(self._issued, len(self.schedule.groups)):
+            group_units = self.schedule.groups[k]
+            window += sum(self.units[u].nbytes for u in group_units)
+            if k > self._issued and window > self.prefetch_bytes:
+                break
+            self.gatherer.read_ahead(group_units)
 
     def _peak(self) -> None:
         gathered = self.units.gathered_bytes()

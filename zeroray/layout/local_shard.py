@@ -68,6 +68,9 @@ class LocalShard:
             raise ValueError("this local shard is not one tensor (stages 1-2 keep it in the arena's rows)")
         return self.pieces[0][1]
 
+    def prefetch(self, a: int, b: int) -> None:
+        """Nothing to read ahead: the shard is in memory (on disk it is not: offload/shard.py)."""
+
     def breaks(self) -> List[int]:
         """Where each piece after the first starts: a view never crosses one."""
         return self.starts[1:]

@@ -150,7 +150,9 @@ def held_state_bytes(num_params: Union[int, float], num_workers: int, stage: int
     ``offload_chunk_bytes``: with ``offload="disk"`` (its ``offload_chunk_bytes``), the optimizer
     term is what stays in memory, the disk tier's buffers (:func:`offload_buffer_bytes`): the
     per-element state and, in mixed precision, the fp32 master live in files ([Note: disk
-    offload] in offload/stepper.py). In fp32 the master is the parameters, counted under params."""
+    offload] in offload/stepper.py). In fp32 the master is the parameters, counted under params,
+    except at stage 3, where the parameter shard is in a file too, and so the master, in every
+    dtype: the parameter term is then 0 ([Note: parameter shard on disk] in offload/shard.py)."""
     def states(s: int) -> ModelStateBytes:
         return model_state_bytes(num_params, num_workers, s, dtype, optimizer, grad_dtype="fp32",
                                  padded_numel=padded_numel)
@@ -158,8 +160,9 @@ def held_state_bytes(num_params: Union[int, float], num_workers: int, stage: int
     held = states(stage)
     optimizer_term = held.optimizer
     if offload_chunk_bytes is not None:
-        optimizer_term = offloaded_optimizer_bytes(held.optimizer, dtype, optimizer, offload_chunk_bytes)
-    return ModelStateBytes(held.params, states(2).grads if stage == 1 else held.grads, optimizer_term)
+        optimizer_term = offloaded_optimizer_bytes(held, dtype, optimizer, offload_chunk_bytes, stage)
+    params = 0 if offload_chunk_bytes is not None and stage == 3 else held.params
+    return ModelStateBytes(params, states(2).grads if stage == 1 else held.grads, optimizer_term)
 
 
 OFFLOAD_SLOTS = 3  # the disk tier's chunks in memory: one stepping, one being read, one being written
@@ -177,26 +180,36 @@ def offload_chunk_elements(chunk_bytes: int, num_files: int, numel: int) -> int:
     return max(1, min(max(OFFLOAD_ALIGN, per_file // OFFLOAD_ALIGN * OFFLOAD_ALIGN), numel or 1))
 
 
-def offload_files(dtype: str, optimizer: OptimizerLike) -> int:
-    """The disk tier's files per worker: one per fp32 state value per element, and the fp32
-    master in mixed precision (in fp32 the master is the parameters themselves, in memory)."""
-    return _state_floats(optimizer) + (0 if _dtype_bytes("dtype", dtype) == 4 else 1)
+def offload_files(dtype: str, optimizer: OptimizerLike, stage: int = 0) -> int:
+    """The disk tier's files per worker that the optimizer step reads: one per fp32 state value
+    per element, and the fp32 master in mixed precision (in fp32 the master is the parameters
+    themselves, in memory) and at stage 3 (the parameter shard is on disk, and the master with
+    it). The stage-3 parameter shard's own file is read by the gathers, not in chunks."""
+    master = _dtype_bytes("dtype", dtype) != 4 or _check_stage(stage) == 3
+    return _state_floats(optimizer) + (1 if master else 0)
 
 
-def offload_buffer_bytes(shard_numel: int, dtype: str, optimizer: OptimizerLike, chunk_bytes: int) -> int:
+def offload_buffer_bytes(shard_numel: int, dtype: str, optimizer: OptimizerLike, chunk_bytes: int,
+                         stage: int = 0) -> int:
     """Bytes of the disk tier's buffers in a worker's memory: ``OFFLOAD_SLOTS`` chunks of every
-    file (none when there are no files: plain SGD in fp32)."""
-    files = offload_files(dtype, optimizer)
+    file (none when there are no files: plain SGD in fp32 at stages 0-2)."""
+    files = offload_files(dtype, optimizer, stage)
     if not files:
         return 0
     return OFFLOAD_SLOTS * files * 4 * offload_chunk_elements(chunk_bytes, files, shard_numel)
 
 
-def offloaded_optimizer_bytes(optimizer_bytes: int, dtype: str, optimizer: OptimizerLike, chunk_bytes: int) -> int:
+def offloaded_optimizer_bytes(held: ModelStateBytes, dtype: str, optimizer: OptimizerLike, chunk_bytes: int,
+                              stage: int = 0) -> int:
     """The optimizer term with ``offload="disk"``: the disk tier's buffers over the shard whose
-    in-memory optimizer term is ``optimizer_bytes`` (:func:`offload_buffer_bytes`)."""
-    shard = optimizer_bytes // max(optimizer_state_bytes_per_param(optimizer, dtype), 1)
-    return offload_buffer_bytes(shard, dtype, optimizer, chunk_bytes)
+    model states in memory are ``held`` (:func:`offload_buffer_bytes`; the shard's elements
+    from its optimizer term, or at stage 3 from its parameter term, which a stateless
+    optimizer leaves the only one)."""
+    if stage == 3:
+        shard = held.params // _dtype_bytes("dtype", dtype)
+    else:
+        shard = held.optimizer // max(optimizer_state_bytes_per_param(optimizer, dtype), 1)
+    return offload_buffer_bytes(shard, dtype, optimizer, chunk_bytes, stage)
 
 
 def estimate_memory(num_params: Union[int, float], num_workers: int, stage: int,
@@ -208,13 +221,16 @@ def estimate_memory(num_params: Union[int, float], num_workers: int, stage: int,
     in-memory snapshot per worker (``FailureConfig(snapshot_every)``, :func:`snapshot_bytes`).
     ``offload="disk"``: the optimizer term (K: the state and, in mixed precision, the fp32
     master) is in files; memory holds the disk tier's buffers, :func:`offload_buffer_bytes` of
-    ``offload_chunk_bytes`` chunks, instead."""
+    ``offload_chunk_bytes`` chunks, instead; at stage 3 the parameter shard (P·Φ/W) is in a
+    file too, and the master with it in fp32 ([Note: parameter shard on disk] in offload/shard.py)."""
     if offload not in (None, "disk"):
         raise ValueError(f"offload={offload!r} is invalid: choose None (the optimizer state in memory) or 'disk'")
     held = model_state_bytes(num_params, num_workers, stage, dtype, optimizer, grad_dtype)
     total = held.total
     if offload == "disk":
-        total += offloaded_optimizer_bytes(held.optimizer, dtype, optimizer, offload_chunk_bytes) - held.optimizer
+        total += offloaded_optimizer_bytes(held, dtype, optimizer, offload_chunk_bytes, stage) - held.optimizer
+        if stage == 3:
+            total -= held.params
     return total + (snapshot_bytes(num_params, num_workers, optimizer) if snapshot else 0)
 
 

@@ -12,7 +12,10 @@ the stage-3 parameter shard the units are gathered from), and write master and s
 cast is the one the storage's publish makes of the whole master (``copy_``, element by
 element), so the parameters are bitwise those of the run with the master in memory, and the
 publish then only starts the stage 1-2 gathers. In fp32 the master *is* the parameters (the
-arena, its rows, the stage-3 shard), which compute or the gathers read, so it stays in memory.
+arena, its rows), which compute or the gathers read, so it stays in memory; at stage 3 the
+parameter shard is in a file of its own ([Note: parameter shard on disk] in offload/shard.py),
+the target in every dtype, whose ``write`` casts a chunk and writes it behind the step (in
+fp32 that file is the master's own: ``DiskStepper.shared``).
 
 ``DiskMaster`` stands where the master's ``LocalShard`` stands in the storage, offering what
 its users ask of it: ``numel`` and ``breaks`` (none, as for a master in memory: the
@@ -35,6 +38,7 @@ from typing import List, Optional, Union
 import torch
 
 from zeroray.layout.local_shard import LocalShard
+from zeroray.offload.shard import DiskShard
 
 
 class DiskMaster:
@@ -44,7 +48,7 @@ class DiskMaster:
 
     dtype = torch.float32
 
-    def __init__(self, initial: torch.Tensor, target: LocalShard) -> None:
+    def __init__(self, initial: torch.Tensor, target: Union[LocalShard, DiskShard]) -> None:
         if initial.numel() != target.numel():
             raise ValueError(f"the master ({initial.numel()} elements) and the parameter memory it is cast into "
                              f"({target.numel()}) must be in the same coordinates")
@@ -60,7 +64,8 @@ class DiskMaster:
         if self._initial is None:
             raise RuntimeError("the master is on disk already")
         self.stepper = stepper
-        stepper.write_master(0, self._initial)
+        if not stepper.shared:  # shared (fp32, stage 3): the shard's file holds these very values already
+            stepper.write_master(0, self._initial)
         self._initial = None
 
     # --- what the storage and the optimizer ask of a master ---------------------------------

@@ -10,7 +10,11 @@ rank used ([Note: unused parameters] in engine/flat_pieces.py) among them, runs 
 In mixed precision the fp32 master is in the files too, one more file (``MASTER``), read and
 written with the state, and each stepped chunk is cast into the parameter memory (``target``):
 [Note: master on disk] in offload/master.py. In fp32 the master is the parameters and stays in
-memory. The gradient, clipping and loss scaling stay where they were.
+memory, except at stage 3, where the parameter shard is in a file and the master with it
+([Note: parameter shard on disk] in offload/shard.py): the "cast" is then a write of its own,
+whose future the step waits for as for its others, and in fp32 the shard's file is the
+master's (``shared``: no master file here, the master's chunks read from the shard's file and
+its update written once). The gradient, clipping and loss scaling stay where they were.
 
 A step walks the pieces the optimizer would step (those with a gradient) in order, cut into
 chunks of at most ``chunk_elems`` elements, through three slots of buffers, one tensor per
@@ -58,12 +62,13 @@ import contextlib
 import copy
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from zeroray.layout.local_shard import LocalShard
 from zeroray.memory.model import OFFLOAD_SLOTS as SLOTS, offload_chunk_elements
+from zeroray.offload.shard import DiskShard
 from zeroray.offload.tier import ELEMENT_BYTES, StateFiles
 
 MASTER = "master"  # the file of the fp32 master, when it is on disk too ([Note: master on disk] in offload/master.py)
@@ -100,14 +105,18 @@ class DiskStepper:
     of it is cast into ([Note: master on disk] in offload/master.py); None: the master is the
     pieces' own memory."""
 
-    def __init__(self, files: StateFiles, chunk_elems: int, target: Optional[LocalShard] = None) -> None:
+    def __init__(self, files: StateFiles, chunk_elems: int,
+                 target: Optional[Union[LocalShard, DiskShard]] = None) -> None:
         self.files, self.keys = files, [k for k in files.keys if k != MASTER]
-        if (target is not None) != (MASTER in files.keys):
+        # fp32 at stage 3: the parameter shard's file holds the master's values ([Note: parameter
+        # shard on disk] in offload/shard.py), so it is the master's file too
+        self.shared = isinstance(target, DiskShard) and target.dtype == torch.float32
+        if (target is not None) != (MASTER in files.keys or self.shared):
             raise ValueError("a disk stepper with the master on disk needs both a master file and a target")
         self.target = target
         self.chunk_elems = max(1, min(chunk_elems, files.numel or 1))
-        self.slots = [{k: torch.empty(self.chunk_elems, dtype=torch.float32) for k in files.keys}
-                      for _ in range(SLOTS)]
+        self.slots = [{k: torch.empty(self.chunk_elems, dtype=torch.float32)
+                       for k in [*files.keys, *([MASTER] if self.shared else [])]} for _ in range(SLOTS)]
         self.steps, self.wait_seconds, self.step_seconds = 0, 0.0, 0.0
         # The master ranges whose state is in the files, [start, end) merged: a piece has state
         # when its start lies in one. Kept here, not in inner.state, because an optimizer whose
@@ -141,8 +150,11 @@ class DiskStepper:
         (``stateful``), its master when that is on disk (after the writes still pending from the
         last step, which may cover the same range)."""
         slot = self.slots[i % SLOTS]
-        keys = (self.keys if stateful else []) + ([MASTER] if self.target is not None else [])
-        return [self.files.read(k, a, slot[k][:b - a], after=self.pending) for k in keys]
+        keys = (self.keys if stateful else []) + ([MASTER] if self.target is not None and not self.shared else [])
+        reads = [self.files.read(k, a, slot[k][:b - a], after=self.pending) for k in keys]
+        if self.shared:
+            reads.append(self.target.read_into(a, slot[MASTER][:b - a], after=self.pending))
+        return reads
 
     def prefetch(self, pieces: Sequence[Any]) -> None:
         """Start reading the first chunks of the next step into their slots, so that the reads
@@ -203,8 +215,11 @@ class DiskStepper:
                                          slot, stateful[id(pc.param)])
                 writes[i] = [self.files.write(k, a, state.pop(k)) for k in self.keys if k in state]
                 if self.target is not None:  # the update, into the memory compute reads (cast as a publish casts)
-                    self.target.write(a, slot[MASTER][:b - a])
-                    writes[i].append(self.files.write(MASTER, a, slot[MASTER][:b - a]))
+                    cast = self.target.write(a, slot[MASTER][:b - a])
+                    if cast is not None:  # the parameter shard on disk: its write ([Note: parameter shard on disk])
+                        writes[i].append(cast)
+                    if not self.shared:  # (shared: that write was the master's)
+                        writes[i].append(self.files.write(MASTER, a, slot[MASTER][:b - a]))
                 if b == pc.end:
                     inner.state[pc.param] = state  # the scalars: every chunk of the piece agrees
                     self._mark(pc.start, pc.end)
@@ -307,12 +322,19 @@ class DiskStepper:
     def read_master(self, start: int, end: int) -> torch.Tensor:
         """Master elements [start, end), read from its file once every write in flight ended."""
         self.drain()
+        if self.shared:
+            out = torch.empty(end - start, dtype=torch.float32)
+            self.target.read_into(start, out).result()
+            return out
         return self.files.read_now(MASTER, start, end)
 
     def write_master(self, start: int, src: torch.Tensor) -> None:
         """Write ``src`` over the master from element ``start`` (an import, the initial values)."""
         self.drain()
-        self.files.write_now(MASTER, start, src)
+        if self.shared:
+            self.target.write(start, src.detach().to(torch.float32).reshape(-1)).result()
+        else:
+            self.files.write_now(MASTER, start, src)
 
     def buffers(self) -> List[torch.Tensor]:
         """The slots' tensors: the memory the tier holds."""
@@ -335,13 +357,15 @@ class DiskStepper:
 
 def make_stepper(builder: Callable[[List[dict]], torch.optim.Optimizer], overrides: Sequence[Dict[str, Any]],
                  folder: Optional[str], rank: int, numel: int, chunk_bytes: int,
-                 target: Optional[LocalShard] = None) -> Optional[DiskStepper]:
+                 target: Optional[Union[LocalShard, DiskShard]] = None) -> Optional[DiskStepper]:
     """The disk stepper for an optimizer ``builder`` over param groups with ``overrides``, with
     the master on disk too when ``target`` is given (the parameter memory its updates are cast
     into); None when there is nothing to move (plain SGD, the master in memory). Chunks hold
     ``chunk_bytes`` over all the files (memory/model.py's ``offload_chunk_elements``)."""
-    keys = element_keys(builder, overrides) + ([MASTER] if target is not None else [])
-    if not keys:
+    # fp32 at stage 3: the master's values are in the parameter shard's file (DiskStepper.shared)
+    shared = isinstance(target, DiskShard) and target.dtype == torch.float32
+    keys = element_keys(builder, overrides) + ([MASTER] if target is not None and not shared else [])
+    if not keys and not shared:
         return None
     files = StateFiles(folder, rank, numel, keys)
-    return DiskStepper(files, offload_chunk_elements(chunk_bytes, len(keys), numel), target)
+    return DiskStepper(files, offload_chunk_elements(chunk_bytes, len(keys) + shared, numel), target)

@@ -1,11 +1,11 @@
 """The disk tier: one scratch file per optimizer state tensor (and the fp32 master in mixed
-precision), read and written by a thread pool.
+precision, and at stage 3 the parameter shard: offload/shard.py), read and written by a thread pool.
 
 Each worker makes a folder of its own under ``offload_dir`` and, in it, one file per state key
 (``exp_avg``, ``exp_avg_sq``, ..., and ``master``: [Note: master on disk] in offload/master.py)
-of ``numel`` fp32 elements, addressed by the offset in the
-rank's flat master: element ``i`` of a piece at master ``[start, end)`` is at byte ``4 * (start +
-i)``. It unlinks the files (and the folder) as soon as they are open, so that no scratch
+of ``numel`` elements (fp32; the parameter shard's file in the compute dtype), addressed by the
+offset in the rank's flat master: element ``i`` of a piece at master ``[start, end)`` is at byte
+``element_bytes * (start + i)``. It unlinks the files (and the folder) as soon as they are open, so that no scratch
 outlives the process, however it ends (closed, killed by Ray, SIGKILL). Splitting the optimizer's pieces ([Note: unused parameters] in engine/flat_pieces.py)
 never moves state between files. The files are allocated in full when the tier is made
 (``posix_fallocate``), so that a directory that cannot hold them fails there, before any
@@ -51,8 +51,8 @@ def offload_error(folder: str, what: str, error: OSError) -> OffloadError:
         return OffloadError(
             f"offload_dir {folder!r} is full ({error.strerror}, {free}) while {what}: give ZeroConfig.offload_dir "
             "a file system with room for the optimizer state (its size is in the error of the allocation, or "
-            "8 bytes per parameter element for Adam, 12 in bf16/fp16 with the fp32 master, divided by the number "
-            "of workers at stages 1-3)",
+            "8 bytes per parameter element for Adam, 12 in bf16/fp16 with the fp32 master; at stage 3, with the "
+            "parameter shard, 12 in fp32 and 14 in bf16/fp16; divided by the number of workers at stages 1-3)",
             error.errno)
     return OffloadError(
         f"offload_dir {folder!r} cannot be used ({error.strerror or error}) while {what}: point "
@@ -66,16 +66,19 @@ class StateFiles:
     open; ``close`` (or the process's end) frees their space."""
 
     def __init__(self, parent: Optional[str], rank: int, numel: int, keys: Sequence[str],
-                 threads: int = 2) -> None:
+                 threads: int = 2, dtype: torch.dtype = torch.float32, what: str = "optimizer state") -> None:
+        """``dtype``: the files' elements (fp32: state and master; the compute dtype: the stage-3
+        parameter shard); ``what``: what they hold, for the error of the allocation."""
         parent = parent if parent is not None else tempfile.gettempdir()
-        self.numel, self.keys = numel, list(keys)
+        self.numel, self.keys, self.dtype = numel, list(keys), dtype
+        self.element_bytes = torch.empty(0, dtype=dtype).element_size()
         try:
             self.folder = tempfile.mkdtemp(prefix=f"zeroray-offload-rank{rank}-", dir=parent)
         except OSError as error:
             raise offload_error(parent, "making this worker's scratch folder", error) from error
         self.fds: Dict[str, int] = {}
         self._finalizer = weakref.finalize(self, _remove, self.fds, self.folder)
-        nbytes = numel * ELEMENT_BYTES
+        nbytes = numel * self.element_bytes
         for key in self.keys:
             path = os.path.join(self.folder, f"{key}.f32")
             try:
@@ -84,8 +87,8 @@ class StateFiles:
                     os.posix_fallocate(self.fds[key], 0, nbytes)
             except OSError as error:
                 self.close()
-                raise offload_error(parent, f"allocating {nbytes * len(self.keys) / 2**20:.1f} MiB of optimizer "
-                                            f"state ({len(self.keys)} file(s) of {nbytes} bytes)", error) from error
+                raise offload_error(parent, f"allocating {nbytes * len(self.keys) / 2**20:.1f} MiB of {what} "
+                                            f"({len(self.keys)} file(s) of {nbytes} bytes)", error) from error
         # Unlinked while open: the files live as long as this process holds them, so nothing is
         # left behind however the worker ends (closed, killed by Ray, SIGKILL); their space shows
         # in the file system's usage (df), not in a listing.
@@ -100,23 +103,24 @@ class StateFiles:
     # --- asynchronous reads and writes ------------------------------------------------------
 
     def read(self, key: str, start: int, out: torch.Tensor, after: Sequence[Future] = ()) -> Future:
-        """Fill the 1D fp32 CPU tensor ``out`` with elements [start, start + out.numel()), once the
+        """Fill the 1D CPU tensor ``out`` (of the files' dtype) with elements [start, start + out.numel()), once the
         operations ``after`` have ended (waited for on the pool's thread, not the caller's: the
         pool starts its tasks in order, so those have started before this one and it cannot
         wait on a task that waits for a thread)."""
         return self.pool.submit(self._io, self._read, key, start, out, list(after))
 
     def write(self, key: str, start: int, src: torch.Tensor) -> Future:
-        """Write the 1D fp32 CPU tensor ``src`` at elements [start, start + src.numel())."""
+        """Write the 1D CPU tensor ``src`` (of the files' dtype) at elements [start, start + src.numel())."""
         return self.pool.submit(self._io, self._write, key, start, src, [])
 
     def _io(self, op, key: str, start: int, tensor: torch.Tensor, after: List[Future]) -> None:
         for future in after:
             future.result()  # a failed write fails the read that follows it
         t0 = time.perf_counter()
-        view = memoryview(tensor.detach().numpy()).cast("B")
+        # as bytes: numpy has no bfloat16
+        view = memoryview(tensor.detach().view(torch.uint8).numpy())
         try:
-            op(self.fds[key], view, start * ELEMENT_BYTES)
+            op(self.fds[key], view, start * self.element_bytes)
         except OSError as error:
             raise offload_error(self.folder, f"{'reading' if op is self._read else 'writing'} {key!r}",
                                 error) from error
@@ -145,12 +149,12 @@ class StateFiles:
     # --- whole ranges, synchronously (checkpoints) -----------------------------------------
 
     def read_now(self, key: str, start: int, end: int) -> torch.Tensor:
-        out = torch.empty(end - start, dtype=torch.float32)
+        out = torch.empty(end - start, dtype=self.dtype)
         self.read(key, start, out).result()
         return out
 
     def write_now(self, key: str, start: int, src: torch.Tensor) -> None:
-        self.write(key, start, src.detach().to(torch.float32).contiguous()).result()
+        self.write(key, start, src.detach().to(self.dtype).contiguous()).result()
 
     def close(self) -> None:
         """Stop the pool and close the files, which frees their space (they are scratch)."""
