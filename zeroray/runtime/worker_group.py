@@ -104,7 +104,8 @@ was. The constant: once imports are out of it, a re-form's rendezvous is the set
 every worker and the TCP connections; tests/ray/test_reform_retry.py measured 0.0-0.75 s for it
 (``rendezvous_s``) at load 4-16 on 2 cores, so 3 s leaves room for a loaded machine. A rendezvous
 slower than that (no worker died) fails the re-form as a CollectiveTimeoutError that keeps every
-worker: it counts as one failure and the re-form is tried again. The first build of a group keeps
+worker (none is late: none holds a group yet): it counts as one failure and the re-form is tried
+again (tests/ray/test_reform_retry.py stalls a replacement with SIGSTOP to show it). The first build of a group keeps
 the collective timeout for its rendezvous: there every worker may still be importing, and a
 failure restarts the whole group anyway.
 """
@@ -120,6 +121,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from zeroray.comm.group import RendezvousError
 from zeroray.config import ScalingConfig
 from zeroray.runtime.failures import (CollectiveTimeoutError, ErrorKind, PlacementError, WorkerDiedError,
                                       WorkerGroupError, classify_error, first_line, setup_error, worker_error)
@@ -572,6 +574,14 @@ class WorkerGroup:
         late = self._late_ranks(pending)
         timed_out = [r for r in broken if kinds[r] is ErrorKind.TIMEOUT]
         cause = errors[broken[0]] if broken else None
+        if timed_out and all(isinstance(getattr(errors[r], "cause", errors[r]), RendezvousError) for r in timed_out):
+            message = (f"{what}: the rendezvous did not complete within rendezvous_timeout_s="
+                       f"{self.rendezvous_timeout_s:g} s on worker(s) {self._describe(timed_out)}, and no worker died "
+                       "([Note: rendezvous timeout]): a loaded machine; "
+                       + ("the workers were kept, the re-form is tried again" if self.keep_survivors else
+                          "the worker group was shut down"))
+            self._tear_down(message, sorted(set(alive) - set(late)))
+            raise CollectiveTimeoutError(message, late, cause) from cause
         if timed_out or not errors:  # not errors: nothing came back before the driver's deadline
             waited = f"; worker(s) {self._describe(timed_out)} waited for them and timed out" if timed_out else ""
             message = (f"{what}: a collective did not complete within collective_timeout_s="
