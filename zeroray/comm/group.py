@@ -48,7 +48,8 @@ log = logging.getLogger("zeroray")
 
 class RendezvousError(CollectiveError, TimeoutError):
     """Joining a collective group failed: a peer did not join within the rendezvous timeout, or
-    died while joining ([Note: rendezvous timeout]). The process itself is intact."""
+    died while joining ([Note: rendezvous timeout] in runtime/worker_group.py). The process
+    itself is intact."""
 
 
 class Channel(enum.Enum):
@@ -403,7 +404,7 @@ def make_torch_group(backend: str, rank: int, world_size: int, master_addr: str,
 
     ``timeout_s`` bounds every collective; ``rendezvous_timeout_s`` (default: ``timeout_s``)
     bounds the rendezvous alone, the store and the process group's connections, see [Note:
-    rendezvous timeout]. A rendezvous that does not complete in time raises ``RendezvousError``.
+    rendezvous timeout] in runtime/worker_group.py. A rendezvous that does not complete in time raises ``RendezvousError``.
     ``solo=False`` builds a real process group at world size 1 too (the NCCL path exercised
     on one GPU, benchmarks/gpu_check.py), instead of the SoloGroup shortcut."""
     if world_size == 1 and solo:
@@ -420,7 +421,7 @@ def make_torch_group(backend: str, rank: int, world_size: int, master_addr: str,
         store = dist.PrefixStore(store_prefix, tcp)
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(store, rank, world_size, joining)  # connects to every peer here
-            pg._set_default_timeout(timeout)
+            pg._set_default_timeout(timeout)  # the collectives' own (gloo's setter, private in torch 2.13)
         else:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout  # NCCL connects lazily, at the first collective
@@ -428,7 +429,8 @@ def make_torch_group(backend: str, rank: int, world_size: int, master_addr: str,
     except RuntimeError as e:  # a peer did not join in time, or its connection broke while joining
         raise RendezvousError(
             f"rank {rank} of {world_size}: the rendezvous at {master_addr}:{master_port} did not complete within "
-            f"rendezvous_timeout_s={joining.total_seconds():g} s (a peer did not join, or died while joining): "
+            f"{'rendezvous_timeout_s' if rendezvous_timeout_s is not None else 'timeout_s'}={joining.total_seconds():g} s "
+            "(a peer did not join, or died while joining): "
             f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
     tcp.set_timeout(timeout)  # the store's reads after the rendezvous (signal()/signalled())
     return TorchGroup(pg, rank, world_size, backend, store=store, timeout_s=timeout_s)
