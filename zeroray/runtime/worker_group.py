@@ -578,7 +578,8 @@ class WorkerGroup:
             message = (f"{what}: the rendezvous did not complete within rendezvous_timeout_s="
                        f"{self.rendezvous_timeout_s:g} s on worker(s) {self._describe(timed_out)}, and no worker died "
                        "([Note: rendezvous timeout]): a loaded machine; "
-                       + ("the workers were kept, the re-form is tried again" if self.keep_survivors else
+                       + (f"worker(s) {self._describe(late)} did not answer and are replaced; " if late else "")
+                       + ("the others were kept, the re-form is tried again" if self.keep_survivors else
                           "the worker group was shut down"))
             self._tear_down(message, sorted(set(alive) - set(late)))
             raise CollectiveTimeoutError(message, late, cause) from cause
