@@ -46,6 +46,12 @@ from zeroray.errors import CollectiveError
 log = logging.getLogger("zeroray")
 
 
+class RendezvousError(CollectiveError, TimeoutError):
+    """Joining a collective group failed: a peer did not join within the rendezvous timeout, or
+    died while joining ([Note: rendezvous timeout] in runtime/worker_group.py). The process
+    itself is intact."""
+
+
 class Channel(enum.Enum):
     """Independent orders of collectives; see [Note: channels]."""
 
@@ -392,9 +398,13 @@ class TorchGroup(Group):
 
 
 def make_torch_group(backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
-                     timeout_s: float = 300.0, store_prefix: str = "zeroray", solo: bool = True) -> Group:
+                     timeout_s: float = 300.0, store_prefix: str = "zeroray", solo: bool = True,
+                     rendezvous_timeout_s: Optional[float] = None) -> Group:
     """Rendezvous through a TCPStore hosted by rank 0 and build the process group object.
 
+    ``timeout_s`` bounds every collective; ``rendezvous_timeout_s`` (default: ``timeout_s``)
+    bounds the rendezvous alone, the store and the process group's connections, see [Note:
+    rendezvous timeout] in runtime/worker_group.py. A rendezvous that does not complete in time raises ``RendezvousError``.
     ``solo=False`` builds a real process group at world size 1 too (the NCCL path exercised
     on one GPU, benchmarks/gpu_check.py), instead of the SoloGroup shortcut."""
     if world_size == 1 and solo:
@@ -402,15 +412,25 @@ def make_torch_group(backend: str, rank: int, world_size: int, master_addr: str,
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
-                          timeout=timeout, wait_for_workers=True)
-    store = dist.PrefixStore(store_prefix, store)
-    if backend == "gloo":
-        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    elif backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    else:
+    joining = timeout if rendezvous_timeout_s is None else datetime.timedelta(seconds=rendezvous_timeout_s)
+    if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is unknown: use 'gloo' (CPU) or 'nccl' (GPU)")
+    try:
+        tcp = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
+                            timeout=joining, wait_for_workers=True)
+        store = dist.PrefixStore(store_prefix, tcp)
+        if backend == "gloo":
+            pg = dist.ProcessGroupGloo(store, rank, world_size, joining)  # connects to every peer here
+            pg._set_default_timeout(timeout)  # the collectives' own (gloo's setter, private in torch 2.13)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout  # NCCL connects lazily, at the first collective
+            pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    except RuntimeError as e:  # a peer did not join in time, or its connection broke while joining
+        raise RendezvousError(
+            f"rank {rank} of {world_size}: the rendezvous at {master_addr}:{master_port} did not complete within "
+            f"{'rendezvous_timeout_s' if rendezvous_timeout_s is not None else 'timeout_s'}={joining.total_seconds():g} s "
+            "(a peer did not join, or died while joining): "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
+    tcp.set_timeout(timeout)  # the store's reads after the rendezvous (signal()/signalled())
     return TorchGroup(pg, rank, world_size, backend, store=store, timeout_s=timeout_s)

@@ -330,8 +330,10 @@ class Controller:
         detected = time.monotonic()
         applied = self.step_count  # steps applied when the failure was seen: those past the checkpoint are redone
         self.states.enter(TrainerState.RECOVERING)
+        attempts = 0  # replacements or restarts tried; a death during one counts as one more failure
         try:
             while True:
+                attempts += 1
                 decision = failures.on_failure(error, user_error=not is_worker_failure(error))
                 if decision.action is Action.RAISE:
                     if failures.exhausted:
@@ -360,7 +362,7 @@ class Controller:
         self.recoveries.append({"cause": f"{type(error).__name__}: {error}", "detected_at": detected,
                                 "resumed_at": resumed, "seconds": resumed - detected, "step": self.step_count,
                                 "redone_steps": max(0, applied - self.step_count),
-                                "num_workers": self.num_workers, **timings})
+                                "num_workers": self.num_workers, "attempts": attempts, **timings})
         note(f"zeroray: resumed at step {self.step_count} with {self.num_workers} worker(s), "
              f"{self.last_recovery_s:.1f} s after the failure was detected")
 

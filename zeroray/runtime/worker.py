@@ -112,7 +112,9 @@ class Worker:
         and the build itself. Receiving ``spec`` imports the modules of the model and loss code;
         a throwaway engine over a tiny model, alone in a group of one, with the spec's stage and
         optimizer, imports and first-runs the engine's code (the first torch optimizer imports
-        torch._dynamo). Returns this worker's node id (the driver skips a spare whose node is gone)."""
+        torch._dynamo). Returns this worker's node id (the driver skips a spare whose node is gone).
+        A new worker put in a lost rank (it has a rank) only imports: the driver waits for that
+        before the re-form's rendezvous ([Note: rendezvous timeout] in worker_group.py)."""
         from zeroray.comm.group import SoloGroup
         from zeroray.config import ZeroConfig
         from zeroray.engine.engine import Engine
@@ -145,11 +147,12 @@ class Worker:
 
     @engine_call
     def setup(self, spec: WorkerSpec, master_addr: str, master_port: int, rank: Optional[int] = None,
-              world_size: Optional[int] = None) -> SetupInfo:
+              world_size: Optional[int] = None, rendezvous_timeout_s: Optional[float] = None) -> SetupInfo:
         """Join the collective group and build this rank's engine. Again, after a failure: leave
         the broken group and drop the engine first, and take ``rank`` (a spare's first setup) and
         ``world_size`` (a group shrunk to its survivors); see [Note: replace, don't restart] and
-        [Note: shrink in memory] in worker_group.py."""
+        [Note: shrink in memory] in worker_group.py. ``rendezvous_timeout_s``: how long joining
+        may take (default: the collective timeout), see [Note: rendezvous timeout] in worker_group.py."""
         from zeroray.comm.group import make_torch_group
         from zeroray.engine.engine import Engine
 
@@ -167,7 +170,8 @@ class Worker:
         backend = "nccl" if self.use_gpu else "gloo"
         t_join = time.perf_counter()
         self.group = make_torch_group(backend, self.rank, self.world_size, master_addr, master_port,
-                                      timeout_s=zero.collective_timeout_s, store_prefix=spec.group_name)
+                                      timeout_s=zero.collective_timeout_s, store_prefix=spec.group_name,
+                                      rendezvous_timeout_s=rendezvous_timeout_s)
         t0 = time.perf_counter()
         with self._building:  # a spare taken while warming: its throwaway build ends first (self.rank is set)
             self.engine = self.memory.build(Engine, spec.model_fn, spec.loss_fn, spec.optimizer, zero,

@@ -81,6 +81,33 @@ they landed, removes it and places one placement group per bundle on those nodes
 node hint: where a node has no room by then, Ray places the bundle elsewhere; without spares the
 shared placement group stays, so a STRICT strategy is strict only without spares). Spares are
 placed after the group is placed and built, so they queue behind it for resources.
+
+[Note: rendezvous timeout]
+A re-form is a new rendezvous (comm/group.py's ``make_torch_group``: a TCPStore on rank 0, then
+gloo connecting every pair). Its survivors join at once; the replacement joins after its setup
+starts. When the replacement dies before it joined (chaos's "replacement killed during
+re-form"), the survivors wait in the rendezvous for a peer that never comes: bounded by the
+collective timeout, they were still waiting when the driver's grace ended, were killed, and the
+whole group restarted. So a re-form's rendezvous has a timeout of its own,
+``rendezvous_timeout_s`` (``_REFORM_RENDEZVOUS_S``, at most the collective timeout), after which
+each survivor's setup raises ``RendezvousError`` with its process intact (its state comes back
+from the snapshot, as after any replacement); the collectives afterwards keep
+``collective_timeout_s``. So that the timeout can be short, the rendezvous waits for no import:
+the driver first waits for every new worker's ``warm`` call (a spare's warm-up, or a new actor's
+imports of what setup imports). The driver waits for the survivors' errors (a grace of twice the
+timeout: a TCPStore client retries its connection once, so a survivor gives up within about 2x)
+and keeps them, the dead replacement is killed, and ``replace`` takes another replacement (a
+spare, or a new actor) and re-forms again. The recovery stays one recovery (``trainer.recoveries``
+has one record; ``attempts`` counts the replacements tried), while the FailurePolicy counts each
+death, the replacement's included, against ``max_failures``, as a death during a restart always
+was. The constant: once imports are out of it, a re-form's rendezvous is the setup call reaching
+every worker and the TCP connections; tests/ray/test_reform_retry.py measured 0.0-0.75 s for it
+(``rendezvous_s``) at load 4-16 on 2 cores, so 3 s leaves room for a loaded machine. A rendezvous
+slower than that (no worker died) fails the re-form as a CollectiveTimeoutError that keeps every
+worker (none is late: none holds a group yet): it counts as one failure and the re-form is tried
+again (tests/ray/test_reform_retry.py stalls a replacement with SIGSTOP to show it). The first build of a group keeps
+the collective timeout for its rendezvous: there every worker may still be importing, and a
+failure restarts the whole group anyway.
 """
 from __future__ import annotations
 
@@ -94,6 +121,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from zeroray.comm.group import RendezvousError
 from zeroray.config import ScalingConfig
 from zeroray.runtime.failures import (CollectiveTimeoutError, ErrorKind, PlacementError, WorkerDiedError,
                                       WorkerGroupError, classify_error, first_line, setup_error, worker_error)
@@ -108,6 +136,10 @@ log = logging.getLogger("zeroray")
 # How long wait_all keeps listening for the other workers after the first error: long enough
 # for Ray to report a killed actor (well under a second), short enough to fail fast.
 _FAILURE_GRACE_S = 3.0
+
+# The rendezvous of a re-form (its store and connections), not its collectives: see [Note:
+# rendezvous timeout].
+_REFORM_RENDEZVOUS_S = 3.0
 
 
 def ensure_ray(scaling: ScalingConfig) -> None:
@@ -180,6 +212,8 @@ class WorkerGroup:
         self._scaling, self._threads = scaling, scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
         self._actor_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)  # once: every actor, spares too
         self.collective_timeout_s = spec.zero.collective_timeout_s
+        # [Note: rendezvous timeout]: how long joining a re-formed group may take
+        self.rendezvous_timeout_s = min(_REFORM_RENDEZVOUS_S, self.collective_timeout_s)
         self._spec = spec  # what a spare warms up for
         self._next_seq = [0] * num_workers  # per worker: the number of its next engine call
         self._numbering = threading.Lock()  # driver threads (a fit, a report) may call at once
@@ -315,18 +349,22 @@ class WorkerGroup:
         lost = [r for r in range(self.num_workers) if r not in self.survivors]
         self.spares, freed = drop_dead_spares(self.spares)
         used_spares = cold_spares = 0
+        warming = {id(actor): ref for actor, _, ref in self.spares}
+        imported = []  # per new worker, its warm call: it has imported what setup imports once returned
         for rank in lost:
             spare = take_spare(self.spares)
             if spare is not None:
                 freed.append(self.bundles[rank])
                 self.actors[rank], self.bundles[rank], warm = spare
+                imported.append(warming[id(self.actors[rank])])
                 used_spares += 1
                 cold_spares += not warm
             else:  # the new actor takes the lost one's bundle (where Ray places it again if its node died)
                 self.actors[rank] = self._new_actor(rank, self.bundles[rank])
+                imported.append(self.actors[rank].warm.remote(spec))
             self._next_seq[rank] = 0
         try:
-            return self._re_form(spec, timeout_s, lost, t0, used_spares, cold_spares)
+            return self._re_form(spec, timeout_s, lost, t0, used_spares, cold_spares, imported)
         finally:  # spares again, where the lost workers were; not before the re-form, which they would slow
             keep = max(0, self._spare_count - len(self.spares)) if self._pgs else 0
             for slot in freed[:keep]:
@@ -354,22 +392,27 @@ class WorkerGroup:
         return {**self._re_form(spec, timeout_s, lost, t0, 0, 0), "replaced": 0, "shrunk_from": len(keep) + len(lost)}
 
     def _re_form(self, spec: WorkerSpec, timeout_s: float, lost: List[int], t0: float, used_spares: int,
-                 cold_spares: int) -> Dict[str, float]:
-        """``replace``'s second half: wait for the new workers, then the rendezvous and the builds."""
+                 cold_spares: int, imported: Sequence[Any] = ()) -> Dict[str, float]:
+        """``replace``'s second half: wait for the new workers to start and to have imported what
+        setup imports (``imported``: their warm calls), so that the rendezvous, which has a short
+        timeout of its own ([Note: rendezvous timeout]), waits for no import; then the rendezvous
+        and the builds."""
         refs = self.poll("node_info")
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        if len(ready) < len(refs):
+        ready, _ = ray.wait(refs + list(imported), num_returns=len(refs) + len(imported), timeout=timeout_s)
+        if len(ready) < len(refs) + len(imported):
             raise PlacementError(f"replace: the new worker(s) for rank(s) {lost} did not start within "
                                  f"{timeout_s:g} s: {_cluster_offer()}")
+        self._answers(list(imported), "start")
         self.nodes = [{**node, "rank": rank} for rank, node in enumerate(self._answers(refs, "start"))]
         t1 = time.monotonic()
         master_port = self._answers(self.poll("free_port", ranks=[0]), "re-form the group")[0]
         spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
         self.failed, self.survivors = None, []
+        joining = self.rendezvous_timeout_s
         self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0]["ip"], master_port, r,
-                                                                  self.num_workers)
+                                                                  self.num_workers, joining)
                                                                  for r in range(self.num_workers)]),
-                                        None, "re-form the group")
+                                        None, "re-form the group", grace_s=2 * joining + _FAILURE_GRACE_S)
         return {"replaced": len(lost), "spares_used": used_spares, "cold_spares": cold_spares,
                 "replace_start_s": t1 - t0,
                 "setup_s": time.monotonic() - t1, "rendezvous_s": max(i.rendezvous_s for i in self.setup_info),
@@ -449,7 +492,7 @@ class WorkerGroup:
 
     def wait_all(self, refs: List[Any], timeout_s: Optional[float], what: str,
                  ranks: Optional[Sequence[int]] = None, lockstep: bool = False,
-                 independent: bool = False) -> List[Any]:
+                 independent: bool = False, grace_s: float = _FAILURE_GRACE_S) -> List[Any]:
         """ray.get of one call per worker (refs in the order of ``ranks``, default all), failing fast
         and saying who failed.
 
@@ -475,13 +518,13 @@ class WorkerGroup:
             now = time.monotonic()
             grace = first_error_at is not None and (not independent or any(
                 classify_error(e) is ErrorKind.DIED for e in errors.values()))
-            if grace and now - first_error_at >= _FAILURE_GRACE_S:
+            if grace and now - first_error_at >= grace_s:
                 break
             if deadline is not None and now >= deadline:
                 break
             wait_s = 1.0 if deadline is None else min(1.0, deadline - now)
             if grace:
-                wait_s = min(wait_s, _FAILURE_GRACE_S - (now - first_error_at))
+                wait_s = min(wait_s, grace_s - (now - first_error_at))
             done, pending = ray.wait(pending, num_returns=1, timeout=max(wait_s, 0.01))
             for ref in done:
                 try:
@@ -531,6 +574,15 @@ class WorkerGroup:
         late = self._late_ranks(pending)
         timed_out = [r for r in broken if kinds[r] is ErrorKind.TIMEOUT]
         cause = errors[broken[0]] if broken else None
+        if timed_out and all(isinstance(getattr(errors[r], "cause", errors[r]), RendezvousError) for r in timed_out):
+            message = (f"{what}: the rendezvous did not complete within rendezvous_timeout_s="
+                       f"{self.rendezvous_timeout_s:g} s on worker(s) {self._describe(timed_out)}, and no worker died "
+                       "([Note: rendezvous timeout]): a loaded machine; "
+                       + (f"worker(s) {self._describe(late)} did not answer and are replaced; " if late else "")
+                       + ("the others were kept, the re-form is tried again" if self.keep_survivors else
+                          "the worker group was shut down"))
+            self._tear_down(message, sorted(set(alive) - set(late)))
+            raise CollectiveTimeoutError(message, late, cause) from cause
         if timed_out or not errors:  # not errors: nothing came back before the driver's deadline
             waited = f"; worker(s) {self._describe(timed_out)} waited for them and timed out" if timed_out else ""
             message = (f"{what}: a collective did not complete within collective_timeout_s="
