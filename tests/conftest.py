@@ -1,5 +1,7 @@
-"""Shared fixtures: one local Ray for the whole session (actors start in seconds, Ray in ~10 s)."""
+"""Shared fixtures: one local Ray for the whole session (actors start in seconds, Ray in ~10 s),
+and a tiny real file system for full-disk errors."""
 import os
+import subprocess
 import sys
 
 import pytest
@@ -19,3 +21,18 @@ def ray_local():
                  runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A real 64 KiB file system (a tmpfs; the test is skipped where mounting is not allowed):
+    the place to see what a full disk does."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs is not allowed here")
+    try:
+        yield small
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

@@ -5,7 +5,6 @@ export -> import round trip; the fp32 master on disk too (mixed precision), cast
 parameter memory chunk by chunk, or into the stage-3 parameter shard's file, which in fp32 is the
 master's own. The files are real files in a temporary directory."""
 import os
-import subprocess
 
 import pytest
 import torch
@@ -125,21 +124,13 @@ def test_unwritable_offload_dir_is_a_clear_error(tmp_path):
         _optimizer(SPECS["adamw_fused"], blocker / "offload")
 
 
-def test_a_full_file_system_fails_the_allocation(tmp_path):
-    """A real small file system (a 64 KiB tmpfs; skipped where mounting is not allowed): the
-    allocation up front fails with ENOSPC, before any state exists, and leaves nothing behind."""
-    small = tmp_path / "small"
-    small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs is not allowed here")
-    try:
-        with pytest.raises(OffloadError, match=r"is full \(No space left on device, .* MiB free there\) while "
-                                               r"allocating 8.0 MiB"):
-            StateFiles(str(small), 0, 2**20, ["exp_avg", "exp_avg_sq"])
-        assert os.listdir(small) == []
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
+def test_a_full_file_system_fails_the_allocation(tiny_tmpfs):
+    """A real small file system (a 64 KiB tmpfs): the allocation up front fails with ENOSPC,
+    before any state exists, and leaves nothing behind."""
+    with pytest.raises(OffloadError, match=r"is full \(No space left on device, .* MiB free there\) while "
+                                           r"allocating 8.0 MiB"):
+        StateFiles(str(tiny_tmpfs), 0, 2**20, ["exp_avg", "exp_avg_sq"])
+    assert os.listdir(tiny_tmpfs) == []
 
 
 def test_a_full_device_is_reported_as_full(tmp_path):
