@@ -5,8 +5,8 @@ seconds per step and peak RSS per worker, against the same fit without snapshots
 
 The main job's GPT (examples/gpt.py; default d_model 256, 4 layers, 4 heads; ``--large``
 512, 8, 8 as in compare.py), 2 workers, ZeRO ``--stage`` (default 3), batches of 8 sequences of
-128 bytes per worker. Each round runs both settings one after the other on fresh trainers
-(``--warmup`` steps untimed, then ``--steps`` timed, the wall time of fit itself, which waits
+128 bytes per worker. Each round runs both settings one after the other on fresh trainers, in
+the other order the next round (``--warmup`` steps untimed, then ``--steps`` timed, the wall time of fit itself, which waits
 for each snapshot's record), so the machine's load hits both alike; the figure is the median
 over rounds. Also printed: the snapshot's bytes per worker (memory_report's snapshot_bytes,
 held in the object store, outside the workers), each worker's peak RSS (the kernel's high-water
@@ -38,7 +38,11 @@ def one(cfg, stage: int, every, warmup: int, steps: int, workers: int) -> dict:
                     failure=zr.FailureConfig(max_failures=1, snapshot_every=every)) as trainer:
         trainer.fit(batches[:warmup], progress=False)
         t0 = time.perf_counter()
-        trainer.fit(batches[warmup:], progress=False)
+        # fit continues from its data position ([Note: data replay]): given the whole list it
+        # skips the warm-up's batches and trains the ``steps`` after them (given batches[warmup:]
+        # it skipped ``warmup`` of those too, and trained steps - warmup).
+        done = trainer.fit(batches, progress=False)
+        assert len(done) == steps, (len(done), steps)
         per_step = (time.perf_counter() - t0) / steps
         report = trainer.memory_report()
         parts = trainer.run(_rss_parts)
@@ -73,7 +77,7 @@ def main(argv=None) -> int:
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     runs = {None: [], 1: []}
     for r in range(args.rounds):
-        for every in (None, 1):
+        for every in ((None, 1) if r % 2 == 0 else (1, None)):  # the order alternates: drift hits both alike
             out = one(cfg, args.stage, every, args.warmup, args.steps, args.workers)
             runs[every].append(out)
             print(f"round {r} snapshot_every={every}: {json.dumps(out)}", flush=True)
