@@ -150,6 +150,11 @@ class UnitGatherer:
         self._inflight.append(gathered)
         return gathered
 
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether ``read_ahead`` does anything (a shard on disk)."""
+        return self.shard.reads_ahead
+
     def read_ahead(self, units: Sequence[int]) -> None:
         """The gathers of ``units`` are coming: let the shard start reading their slices (a shard
         on disk; in memory there is nothing to do)."""

@@ -364,6 +364,8 @@ class FetchCoordinator:
         gather): the same window as the gathers' own prefetch, one window further along the
         trace. A shard in memory ignores it; one on disk reads them on its thread pool, so that
         a gather finds its slice in memory ([Note: parameter shard on disk] in offload/shard.py)."""
+        if not self.gatherer.reads_ahead:
+            return  # the shard is in memory: no walk over the plan at every gather
         window = 0
         for k in range(self._issued, len(self.schedule.groups)):
             group_units = self.schedule.groups[k]

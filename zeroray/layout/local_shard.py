@@ -68,6 +68,8 @@ class LocalShard:
             raise ValueError("this local shard is not one tensor (stages 1-2 keep it in the arena's rows)")
         return self.pieces[0][1]
 
+    reads_ahead = False  # in memory: nothing to read ahead (on disk there is: offload/shard.py)
+
     def prefetch(self, a: int, b: int) -> None:
         """Nothing to read ahead: the shard is in memory (on disk it is not: offload/shard.py)."""
 

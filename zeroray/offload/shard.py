@@ -57,6 +57,8 @@ class DiskShard:
     """This rank's stage-3 parameter shard in a file of its own, in the compute dtype of
     ``values`` (its initial values, written at once); see [Note: parameter shard on disk]."""
 
+    reads_ahead = True  # the coordinator tells it which slices its next gathers send
+
     def __init__(self, values: torch.Tensor, folder: Optional[str], rank: int,
                  mapped: Optional[Callable[[], ContextManager]] = None) -> None:
         """``mapped``: the context its buffers are allocated in (``MappedBlocks.mapped``, as the
