@@ -636,10 +636,7 @@ class WorkerGroup:
             self.survivors = list(alive)
             for rank, actor in enumerate(self.actors):
                 if rank not in self.survivors:
-                    try:
-                        ray.kill(actor, no_restart=True)
-                    except Exception:  # noqa: BLE001 - already dead
-                        pass
+                    _kill(actor)
             return
         log.warning("zeroray: %s; shutting the worker group down", reason)
         self.shutdown()
