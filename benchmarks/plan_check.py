@@ -189,6 +189,7 @@ def contention(c: dict, floor: dict, q: float, cores: float) -> dict:
         out["contention"], out["straggler"] = contended_figures(
             together, quantile(c["alone_fwd_bwd_all_s"], q), quantile(slowest_copies(c), q), c["copies"], cores)
         out["fwd_bwd_s"] = floor["fwd_bwd_s"] * out["contention"]
+        out["together_over_alone"] = together / quantile(c["alone_fwd_bwd_all_s"], q)
     return out
 
 
@@ -297,9 +298,11 @@ def cpu(path: str, q: float = 0.5, without: tuple = ()) -> bool:
         lone = f" (alone {f['lone_fwd_bwd_s'] * 1e3:.0f} ms)" if "lone_fwd_bwd_s" in f else ""
         if "contention" in f:
             share = max(1.0, f["copies"] / cores)
-            lone += f", {f['copies']} copies together {f['contention'] * share:.3f}x alone"
+            lone += f", {f['copies']} copies together {f['together_over_alone']:.3f}x alone"
             if share > 1:
-                lone += f" ({f['contention']:.3f}x beyond the share {share:g})"
+                lone += f" ({f['together_over_alone'] / share:.3f}x beyond the share {share:g})"
+            if f["together_over_alone"] / share < 1:  # contended_figures' lower bound
+                lone += " (read as 1: sharing cannot speed a copy up; the alone half was disturbed)"
             if f["contention"] > 1.5:  # one copy per core cannot halve the speed: the copies shared a core
                 lone += " (SUSPECT: the copies did not each have a core; re-measure on a quiet machine)"
         if world > cores and f.get("copies", 0) < world:
