@@ -38,9 +38,11 @@ each one measured (``benchmarks/memory_rss.py``).
   pages back to the OS, and the next step faulted them in afresh, kernel-zeroed. The
   activations a backward frees are such a top of the heap: on ``nn.MultiheadAttention`` and
   ``transformers`` GPTs (benchmarks/bench_models.py) stage 3 faulted each step's activations in
-  again, most of what its step cost over stage 0's. So ``MappedBlocks`` fixes the trim
-  threshold as well, at ``TRIM_THRESHOLD``: where glibc's own rule tops out, as in the
-  processes of stages 0-2 and of torch's DDP and FSDP2.
+  again (benchmarks/README.md has what that cost: ``python benchmarks/heap_trim.py``). So
+  ``MappedBlocks`` fixes the trim threshold as well, at ``TRIM_THRESHOLD``: where glibc's own
+  rule tops out in the processes of stages 0-2 and of torch's DDP and FSDP2. A unit's buffer is
+  then served from that kept top of the heap where it fits (glibc maps a block only when the
+  heap cannot serve it), which the peaks measured at 101M parameters did not notice.
 - A trim after construction: the construction transient freed to the heap (the model built
   whole before it is bound to the arena, the sharded build's scratch), and the cyclic garbage
   of a first-time import, is handed back to the OS with ``gc.collect()`` and
