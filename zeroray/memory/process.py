@@ -32,6 +32,17 @@ each one measured (``benchmarks/memory_rss.py``).
   for the whole process did the same for memory but faulted every activation in afresh each
   step (kernel-zeroed pages): 40% slower steps on a 3M-parameter model; ``ProcessMemory``
   keeps that as an option (``mmap_threshold``), off by default.
+  Fixing the mmap threshold also stops glibc moving its *trim* threshold, which it otherwise
+  keeps at twice the mmap threshold it raised (so up to 64 MiB at stages 0-2): it stayed at its
+  initial 128 KiB, every free that left more than that free at the top of the heap handed those
+  pages back to the OS, and the next step faulted them in afresh, kernel-zeroed. The
+  activations a backward frees are such a top of the heap: on ``nn.MultiheadAttention`` and
+  ``transformers`` GPTs (benchmarks/bench_models.py) stage 3 faulted each step's activations in
+  again (benchmarks/README.md has what that cost: ``python benchmarks/heap_trim.py``). So
+  ``MappedBlocks`` fixes the trim threshold as well, at ``TRIM_THRESHOLD``: where glibc's own
+  rule tops out in the processes of stages 0-2 and of torch's DDP and FSDP2. A unit's buffer is
+  then served from that kept top of the heap where it fits (glibc maps a block only when the
+  heap cannot serve it), which the peaks measured at 101M parameters did not notice.
 - A trim after construction: the construction transient freed to the heap (the model built
   whole before it is bound to the arena, the sharded build's scratch), and the cyclic garbage
   of a first-time import, is handed back to the OS with ``gc.collect()`` and
@@ -84,7 +95,11 @@ MMAP_THRESHOLD = 1 << 20  # bytes: smaller blocks (Python objects, small tensors
 # (benchmarks/README.md, "Any model": the sizes tried and what each kept).
 HEAP_THRESHOLD = 8 << 20
 MAPPED_THRESHOLD = 128 << 10  # glibc's initial threshold: a unit's buffer smaller than this stays in the heap
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+# Stage 3's heap trim threshold: twice glibc's 32 MiB ceiling of the mmap threshold, the most its
+# dynamic rule gives (see the note: without it fixing the mmap threshold left it at 128 KiB).
+TRIM_THRESHOLD = 64 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD = -1
 
 
 def _libc():
@@ -112,6 +127,9 @@ class MappedBlocks:
         mallopt = getattr(_libc(), "mallopt", None)
         # Fixing the threshold also stops glibc raising it: it stays where mapped() puts it back.
         self._mallopt = mallopt if mallopt is not None and mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD) == 1 else None
+        if self._mallopt is not None:
+            # ...and stops glibc raising the trim threshold with it: fixed too, see the note.
+            self._mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
 
     @property
     def active(self) -> bool:
