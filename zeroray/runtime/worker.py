@@ -34,6 +34,9 @@ log = logging.getLogger("zeroray")
 ENGINE_THREADS = 4
 # warm: a spare's imports; copy: a buddy's copy of a snapshot shard; neither in the polls' way.
 CONCURRENCY_GROUPS = {"control": 1, "warm": 1, "copy": 1}
+# How long an engine call waits for a snapshot's arrays to be let go of before it runs the
+# cycle collector (see Worker._wait_copy).
+RELEASE_POLL_S = 10.0
 
 
 def engine_call(method: Optional[Callable] = None, *, waits_for_copy: bool = True) -> Callable:
@@ -268,10 +271,10 @@ class Worker:
 
         report = measure(self.engine, self.memory.report())
         report["rank"] = self.rank
-        report["rss_bytes"] = current_rss_bytes()  # before the export below allocates its copies
+        report["rss_bytes"] = current_rss_bytes()  # before the export below, which may allocate copies
         # What one in-memory snapshot of this rank takes in the object store, outside this process
         # (FailureConfig(snapshot_every), [Note: in-memory snapshots]): 1/N of the model states.
-        tensors, _ = self.engine.export_state()
+        tensors, _ = self.engine.export_state(live=True)  # only the sizes are read
         report["snapshot_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
         return report
 
@@ -303,7 +306,7 @@ class Worker:
             self._wait_copy()  # the snapshot before (none is taken twice without a step between)
             taken = capture(self.engine, self.rank)
             if self.engine.zero.offload is not None:  # the disk tier reads and writes beside the next step
-                return copy_shard(taken)
+                return copy_shard(taken, released=lambda: None)
             self._copy_done = done
             return taken
         out = self._sequencer.run(ticket, take)
@@ -312,15 +315,23 @@ class Worker:
         if not isinstance(out, Capture):
             return out
         try:
-            return copy_shard(out)
-        finally:
-            done.set()
+            # The shard may hold views of the live state: ``done`` is set once Ray has stored
+            # them, after this method returned ([Note: overlapped snapshot copy]).
+            return copy_shard(out, released=done.set)
+        except BaseException:
+            done.set()  # nothing of the live state was returned
+            raise
 
     def _wait_copy(self) -> None:
-        """Wait for the snapshot copy in progress, if any ([Note: overlapped snapshot copy])."""
+        """Wait for the snapshot copy in progress, if any, to be stored ([Note: overlapped snapshot
+        copy] in runtime/snapshot.py)."""
         done = self._copy_done
-        if done is not None:
-            done.wait()
+        if done is None:
+            return
+        # Ray lets go of the returned arrays right after storing them. Were they caught in a
+        # reference cycle instead (a failed store's traceback), only the cycle collector frees them.
+        while not done.wait(RELEASE_POLL_S):
+            gc.collect()
 
     @engine_call
     def stage_snapshot(self, old_layout: Dict[str, Any], shard_refs: List[Any], untrained_refs: List[Any]
