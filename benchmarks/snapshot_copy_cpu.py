@@ -1,4 +1,4 @@
-"""What one in-memory snapshot costs a worker in CPU time and memory: the export of its state
+"""What one in-memory snapshot costs a worker in CPU time: the export of its state
 plus Ray's store of the returned shard, measured in a Ray actor that does nothing else.
 
     PYTHONPATH=$PWD python benchmarks/snapshot_copy_cpu.py
@@ -9,10 +9,11 @@ model at 2 workers in benchmarks/snapshot_cost.py), trained one step, and return
 ``runtime.snapshot.copy_shard`` as ``Worker.snapshot_shard`` does. The CPU seconds (the
 actor process's, every thread: Ray's store may copy on several) and wall seconds run from the
 capture until Ray lets go of the last returned array, which it does once it has stored them.
-Also printed: how much the actor's peak RSS grew over the snapshots (heap the export allocated;
-the object store's pages it wrote count too). CPU time is less sensitive to a busy machine than
-wall time, not immune (memory bandwidth is shared). Whatever ``zeroray`` is on PYTHONPATH is
-measured, so the same command measures another checkout.
+Also printed: the actor's minor page faults over the same span (pages it wrote for the first
+time: the export's new tensors, and the object store's pages Ray writes the shard into). CPU
+time is less sensitive to a busy machine than wall time, not immune (memory bandwidth is
+shared). Whatever ``zeroray`` is on PYTHONPATH is measured, so the same command measures
+another checkout (``git archive <commit> | tar -x -C DIR``, then ``PYTHONPATH=DIR``).
 """
 from __future__ import annotations
 
@@ -49,7 +50,6 @@ class Bench:
                              SoloGroup())
         self.engine.train_step(next(iter(gpt.CharBatches(batch_size=2, seq_len=128, num_steps=1, seed=0))))
         self.measured = []
-        self.rss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     def where(self) -> str:
         import zeroray
@@ -60,6 +60,7 @@ class Bench:
         from zeroray.runtime.snapshot import capture, copy_shard
 
         t0, c0 = time.perf_counter(), time.process_time()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         taken = capture(self.engine, 0)
         if "released" in inspect.signature(copy_shard).parameters:
             out = copy_shard(taken, released=lambda: None)
@@ -72,7 +73,8 @@ class Bench:
             with lock:
                 left[0] -= 1
                 if left[0] == 0:
-                    self.measured.append((time.process_time() - c0, time.perf_counter() - t0))
+                    self.measured.append((time.process_time() - c0, time.perf_counter() - t0,
+                                          resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0))
         for a in arrays:
             weakref.finalize(a, gone)
         del arrays
@@ -80,7 +82,6 @@ class Bench:
 
     def report(self) -> dict:
         return {"measured": self.measured,
-                "peak_rss_growth_mb": round((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - self.rss_start) / 1e3),
                 "shard_mb": round(sum(t.numel() * 4 for t in self.engine.export_state()[0].values()) / 1e6, 1)}
 
 
@@ -101,9 +102,8 @@ def main(argv=None) -> int:
         held = refs  # one snapshot held at a time, as the driver does; the one before is freed
     del held
     report = ray.get(bench.report.remote())
-    cpu = [c for c, _ in report["measured"][1:]]
-    wall = [w for _, w in report["measured"][1:]]
-    print(f"SNAPSHOT_COPY_CPU {json.dumps({'shard_mb': report['shard_mb'], 'cpu_s_median': round(statistics.median(cpu), 3), 'cpu_s': [round(c, 3) for c in cpu], 'wall_s_median': round(statistics.median(wall), 3), 'peak_rss_growth_mb': report['peak_rss_growth_mb'], 'load': os.getloadavg()})}",
+    cpu, wall, faults = zip(*report["measured"][1:])
+    print(f"SNAPSHOT_COPY_CPU {json.dumps({'shard_mb': report['shard_mb'], 'cpu_s_median': round(statistics.median(cpu), 3), 'cpu_s': [round(c, 3) for c in cpu], 'wall_s_median': round(statistics.median(wall), 3), 'minor_faults_median': statistics.median(faults), 'load': [round(x, 1) for x in os.getloadavg()]})}",
           flush=True)
     return 0
 

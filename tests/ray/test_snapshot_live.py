@@ -10,7 +10,10 @@ same check sees torn objects there, so it can see one.
 
 End to end: the snapshot of every step of a fit equals, bitwise, the disk checkpoint of the
 same step taken in a run without snapshots (stage 3: the master and the optimizer's flat state
-go out live; stage 1 in fp32: the master is the arena's rows, copied).
+go out live; stage 1 in fp32: the master is the arena's rows, copied). This checks what the
+live export returns; it would not see a release that came too early: this small model's next
+forward and backward outlast Ray's store of its state (a control with the release before the
+store passed it), which is why the mechanism is checked on its own above.
 """
 import threading
 
