@@ -286,7 +286,8 @@ class Worker:
         then a small record (the step count) the driver waits on. Called with num_returns=M+1."""
         from zeroray.runtime.state_transfer import cut_pieces
 
-        tensors, scalars = self.engine.export_state()
+        # live: cut_pieces copies what it sends, within this call's turn (no update runs beside it)
+        tensors, scalars = self.engine.export_state(live=True)
         pieces = cut_pieces(self.engine.layout, self.rank, tensors, scalars, targets)
         return (*pieces, {"step": self.engine.step_count})
 
@@ -362,7 +363,8 @@ class Worker:
     def save_shard(self, root: str, step: int) -> Tuple[Any, Any]:
         from zeroray.checkpoint import write_extra, write_shard
 
-        tensors, scalars = self.engine.export_state()
+        # live: written before this call returns, within its turn (no update runs beside it)
+        tensors, scalars = self.engine.export_state(live=True)
         info = write_shard(root, step, self.rank, tensors, scalars)
         extra = write_extra(root, step, self.engine.untrained_state()) if self.rank == 0 else None
         return info, extra
