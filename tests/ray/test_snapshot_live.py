@@ -62,23 +62,25 @@ class LiveState:
         return view, self.value
 
 
-def _torn(release_in_finally: bool) -> int:
+def _torn(release_in_finally: bool, rounds: int, until_torn: bool = False) -> int:
     actor = LiveState.remote()
     torn = 0
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         ref, value = actor.snapshot.options(num_returns=2).remote(release_in_finally)
         value = ray.get(value)
         stored = ray.get(ref)
         torn += not (stored.min() == stored.max() == value)
         del stored, ref
+        if until_torn and torn:
+            break
     ray.get(actor.snapshot.options(num_returns=2).remote(False)[1])  # the last release came too
     ray.kill(actor)
     return torn
 
 
 def test_the_update_waits_until_ray_stored_the_live_state(ray_local):
-    assert _torn(release_in_finally=False) == 0
-    assert _torn(release_in_finally=True) > 0  # the check can see a torn object
+    assert _torn(release_in_finally=False, rounds=ROUNDS) == 0
+    assert _torn(release_in_finally=True, rounds=4 * ROUNDS, until_torn=True) > 0  # the check can see a tear
 
 
 def _trainer(stage, every, ckpt):

@@ -297,7 +297,8 @@ class Worker:
         Ray objects the driver owns. Called with num_returns=3 and ``after_ok`` behind the step
         it captures; not ``engine_call`` only so that a cancelled call still returns three
         values. Its turn only captures what the next step's forward may change; the state is
-        copied after the turn, beside that forward ([Note: overlapped snapshot copy])."""
+        exported after the turn, beside that forward, and Ray's store of it is the copy
+        ([Note: overlapped snapshot copy])."""
         from zeroray.runtime.snapshot import Capture, capture, copy_shard
 
         self._arrived.at = time.time()
