@@ -284,9 +284,14 @@ class Engine:
         """This rank's fp32 master in the layout's shard coordinates (all stages alike)."""
         return self.storage.master_shard()
 
-    def export_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-        """Flat fp32 tensors in this rank's shard coordinates, and per-rank scalars."""
-        return state.export_state(self.storage, self.optimizer, self.step_count, self.scaler)
+    def export_state(self, live: bool = False) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+        """Flat fp32 tensors in this rank's shard coordinates, and per-rank scalars. Copies, or,
+        ``live``, the engine's own tensors where they already are such flat tensors (the stage-3
+        or mixed-precision master, the optimizer's flat state: [Note: flat optimizer state] in
+        engine/flat_state.py), which the next update changes in place: the in-memory snapshot
+        returns them, and the update waits until Ray has stored them ([Note: overlapped snapshot
+        copy] in runtime/snapshot.py)."""
+        return state.export_state(self.storage, self.optimizer, self.step_count, self.scaler, live)
 
     def state_layout(self) -> Tuple[FlatLayout, int]:
         """The (layout, rank) whose shard coordinates import_state expects: stage 0 wants everything."""

@@ -13,7 +13,9 @@ meet, one unit's slice each, so every segment is a view and the update lands in 
 A step that leaves some parameters without a gradient on every rank splits the segments
 holding them into flat pieces, so that the inner optimizer skips exactly those parameters
 ([Note: unused parameters] in engine/flat_pieces.py); checkpoints then carry the scalar state per
-element ([Note: per-element state]).
+element ([Note: per-element state]). The pieces' per-element state tensors are views of one flat
+tensor per key, which an export returns as it is or copies in one pass ([Note: flat optimizer
+state] in engine/flat_state.py).
 
 The same class serves stage 0, where the "shard" is the whole model.
 """
@@ -26,6 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from zeroray.engine.flat_pieces import FlatPieces
+from zeroray.engine.flat_state import FlatState
 from zeroray.layout.local_shard import LocalShard
 from zeroray.offload.master import DiskMaster
 from zeroray.offload.stepper import DiskStepper, make_stepper
@@ -159,6 +162,8 @@ class ShardedOptimizer:
                              "pass zr.AdamW(...) or a callable params -> torch.optim.Optimizer")
         self.pieces.inner = self.inner
         self.scheduler = scheduler_fn(self.inner) if scheduler_fn is not None else None
+        # in memory: one flat tensor per state key that the pieces' state tensors are views of
+        self.flat_state = FlatState(master.numel())
         # the per-element state's home between steps when offloaded; None: inner.state (memory)
         self.disk: Optional[DiskStepper] = None
         on_disk = isinstance(master, DiskMaster)
@@ -215,6 +220,8 @@ class ShardedOptimizer:
                 self.disk.step(self.inner, self.pieces.pieces)
             else:
                 self.inner.step()
+                # new state (the first update of a piece) or a tensor the optimizer replaced
+                self.flat_state.rehome(self.inner, self.pieces.pieces)
         if self.scheduler is not None:
             self.scheduler.step()
 
@@ -239,17 +246,21 @@ class ShardedOptimizer:
 
     # --- state for checkpoints and resize: flat tensors over the local shard ----------------
 
-    def export_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    def export_state(self, live: bool = False) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         """``_export_state`` with the offloaded state read back for the export's duration."""
         if self.disk is None:
-            return self._export_state()
+            return self._export_state(live)
         with self.disk.loaded(self.inner, self.pieces.pieces):
-            return self._export_state()
+            return self._export_state(False)  # the loaded state goes back to the files after
 
-    def _export_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    def _export_state(self, live: bool) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         """Every per-element state tensor as one flat tensor over the local shard ("optim.<key>";
         zeros where a piece has no state), and the scalar state: one value ("optim.<key>" in the
-        scalars) while the pieces agree, else per element ([Note: per-element state])."""
+        scalars) while the pieces agree, else per element ([Note: per-element state]).
+
+        A key kept in a flat ([Note: flat optimizer state] in engine/flat_state.py) is exported
+        as a copy of that flat, or, ``live``, as the flat itself when it is fp32 on the CPU: the
+        optimizer's own state, which the next update changes (the snapshot's use)."""
         tensors: Dict[str, torch.Tensor] = {}
         scalars: Dict[str, Any] = {}
         n = self.master.numel()
@@ -263,7 +274,13 @@ class ShardedOptimizer:
             held = [(pc, state[k]) for pc, state in zip(pieces, states) if k in state]
             if held and all(isinstance(v, torch.Tensor) and v.shape == pc.param.shape for pc, v in held) \
                     or not held and probed[k]:
-                flat = torch.zeros(n, dtype=torch.float32)
+                flat = self.flat_state.flat_of(k, held) if held else None
+                if flat is not None:
+                    own = live and flat.dtype == torch.float32 and flat.device.type == "cpu"
+                    tensors[f"optim.{k}"] = flat if own else flat.detach().to("cpu", torch.float32, copy=True)
+                    continue
+                covered = sum(pc.end - pc.start for pc, _ in held) == n  # no zeros to write
+                flat = torch.empty(n, dtype=torch.float32) if covered else torch.zeros(n, dtype=torch.float32)
                 for pc, v in held:
                     flat[pc.start:pc.end] = v.detach().float().cpu()
                 tensors[f"optim.{k}"] = flat
@@ -319,6 +336,7 @@ class ShardedOptimizer:
         per_element = scalars.get("optim_per_element")
         flats = {name[6:]: flat for name, flat in tensors.items() if name.startswith("optim.")}
         self.pieces.reset()
+        self.flat_state.clear()  # the pieces' state is replaced; the next update re-homes it
         signature = None
         if per_element is not None:
             signature = self._piece_signature(flats, per_element)

@@ -15,12 +15,14 @@ import torch
 from zeroray.engine.optim import LossScaler, ShardedOptimizer
 
 
-def export_state(storage, optimizer: ShardedOptimizer, step: int, scaler: Optional[LossScaler]
-                 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Flat fp32 tensors in this rank's shard coordinates, and per-rank scalars."""
-    tensors, scalars = optimizer.export_state()
+def export_state(storage, optimizer: ShardedOptimizer, step: int, scaler: Optional[LossScaler],
+                 live: bool = False) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Flat fp32 tensors in this rank's shard coordinates, and per-rank scalars. ``live``: a
+    tensor may be the engine's own (the master, the optimizer's flat state) where it already is
+    one in those coordinates; the next update changes it (see ``Engine.export_state``)."""
+    tensors, scalars = optimizer.export_state(live)
     tensors = storage.exported(tensors)
-    tensors["master"] = storage.master_shard()
+    tensors["master"] = storage.master_shard(live)
     scalars["step"] = step
     scalars["scaler"] = scaler.state() if scaler else None
     scalars["rng"] = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()

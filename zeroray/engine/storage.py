@@ -93,8 +93,9 @@ class ReplicatedStorage:
         start, numel = self._full_start(name), self.layout.slots[name].numel
         return 0, numel, self.master.read(start, start + numel).detach().cpu().clone()
 
-    def master_shard(self) -> torch.Tensor:
-        """The fp32 master in this rank's shard coordinates (on the CPU)."""
+    def master_shard(self, live: bool = False) -> torch.Tensor:
+        """The fp32 master in this rank's shard coordinates (on the CPU): always a copy here, the
+        full master is not in those coordinates."""
         return self.to_shard(self.master.read(0, self.master.numel()).detach())
 
     def to_shard(self, full: torch.Tensor) -> torch.Tensor:
@@ -173,8 +174,13 @@ class ShardedStorage:
         start, lo, hi = self.layout.param_shard_range(name, self.rank)
         return lo, hi, self.master.read(start, start + hi - lo).detach().cpu().clone()
 
-    def master_shard(self) -> torch.Tensor:
-        """The fp32 master in this rank's shard coordinates (on the CPU)."""
+    def master_shard(self, live: bool = False) -> torch.Tensor:
+        """The fp32 master in this rank's shard coordinates (on the CPU): a copy, or, ``live``,
+        the master tensor itself where it is one tensor in memory on the CPU (stage 3, and mixed
+        precision); at stages 1-2 in fp32 it is the arena's rows, and a copy joins them."""
+        if live and isinstance(self.master, LocalShard) and self.master.is_contiguous_tensor \
+                and self.master.device.type == "cpu":
+            return self.master.as_tensor().detach()
         return self.master.cpu()
 
     def exported(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -4,48 +4,45 @@
 With ``FailureConfig(snapshot_every=K)``, every K-th step of a fit is followed, on every
 worker, by ``Worker.snapshot_shard``: the worker exports its state (``Engine.export_state``, what
 a checkpoint holds for its rank; rank 0 also its buffers and frozen parameters) and *returns*
-it. A value an actor task returns is a Ray object owned by the caller, the driver: a large one
-lives in the object store (plasma, the shared memory of the worker's node, served by that
-node's raylet), a small one inline in the driver's memory; in neither case in the worker's
+it (views of the live state where it can: [Note: overlapped snapshot copy]). A value an
+actor task returns is a Ray object owned by the caller, the driver: a large one lives in the
+object store (plasma, the shared memory of the worker's node, served by that node's
+raylet), a small one inline in the driver's memory; in neither case in the worker's
 heap, so it survives the worker's death. The driver keeps the refs; nothing is written to disk.
 
 Order without a barrier: the snapshot call is numbered right after the step it captures
 ([Note: one engine call at a time] in sequencer.py), with ``after_ok``, so it runs after that
 step and before the next one, which fit has already queued, and only if the step succeeded;
 the next step is ``after_ok`` behind the snapshot. fit's pipeline is not broken: the copy
-runs on the workers beside the next step ([Note: overlapped snapshot copy]) and the driver
-never fetches the shards. When the
-driver collects the step, it waits for the snapshot's small record (the step it holds) and
-only then makes the snapshot the complete one, dropping the refs of the one before, which
-frees its objects (Ray counts references). So at most the complete snapshot and the ones of
-the steps still in flight exist: one shard per worker more than a checkpoint-less run, plus
-the one being taken (1/N of the model states each).
-
-Recovery (Controller.recover) restores the complete snapshot when it is newer than the last
-disk checkpoint: every new worker fetches, one at a time, the old shards that hold its slices
-(the pure range math of ``checkpoint.reshard.plan``, as a resize does, so a restart at another
-size works too; [Note: resize transfer] in state_transfer.py), and only when every worker has
-fetched its share does any import it (the import is collective at stages 1-2). A snapshot is
-lost when the object store that held a shard is gone: its node died (on one machine, that is
-the head node, and the driver with it), or Ray evicted or could not restore a spilled object.
-A worker that cannot fetch a shard says so instead of raising; the driver then drops the
-snapshot and falls back to the last disk checkpoint (or the initial weights), as without
-snapshots. Since [Note: replace, don't restart] (worker_group.py), the survivors stay and load
-the snapshot too, so the recovery costs no process start when a warm spare takes the lost rank.
-
-[Note: overlapped snapshot copy]
+runs on the workers beside the next step ([Note: overlapped snapshot copy]
 The snapshot call's turn between two steps is short: it captures only what the next step's
 forward and backward may change (the random generator, rank 0's buffers) and the step count,
-then ends, and the next step starts. The call goes on, outside the turn, copying the state
-(``export_state``) beside that forward and backward, which read the master and optimizer
-state but do not write them; the next step's update waits for the copy to end
-(``Engine.train_step``'s ``before_update``), and so does every other engine call (a save, a
-rebuild, a restore). So the copy costs the step what forward and backward cannot hide, not
-its whole length. A snapshot becomes the complete one only when the driver has its records,
-which Ray hands out only once the call returned and its three values are stored: a worker
-that dies during the copy leaves the snapshot before it the complete one, never a half copy.
-With ``ZeroConfig(offload="disk")`` the copy stays inside the turn: the disk tier reads and
-writes the optimizer state beside the next step's forward.
+then ends, and the next step starts. The call goes on, outside the turn, exporting the state
+(``export_state(live=True)``) beside that forward and backward, which read the master and
+optimizer state but do not write them. The export copies nothing it need not: the master (one
+tensor at stage 3 and in mixed precision) and the optimizer's per-element state (one flat
+tensor per key, [Note: flat optimizer state] in engine/flat_state.py) are returned as numpy
+views of the live tensors; only stage 0 (its shard cut out of the full tensors) and stages
+1-2 in fp32 (the master is the arena's rows) copy the master first. The one copy is Ray's:
+it writes a returned value into the object store after the method returned, on the thread
+that ran it (Ray 2.60's ``execute_task`` in _raylet.pyx calls ``store_task_outputs`` there,
+then drops the outputs). The next update must not start before that copy ends, or the
+snapshot could hold a half-updated state. So ``on_release`` hangs a finalizer on every
+returned array (the serializer holds each array until it has written it), and the last one
+to go sets the event that the next update waits for (``Engine.train_step``'s
+``before_update``); so does every other engine call (a save, a rebuild, a restore). Were
+the arrays caught in a reference cycle (a failed store's traceback), the waiting call runs
+the cycle collector now and then. (A tiny call to the actor itself in a one-thread group of
+the snapshot's, which Ray could start only after the store, would deadlock: the next
+snapshot, queued in that group before it, waits for its turn behind the next step, whose
+update waits for that call.) So the snapshot costs the step what forward and backward
+cannot hide of one copy into the store, most of it the page faults of the store's pages
+the worker writes for the first time (benchmarks/snapshot_copy_cpu.py). A snapshot becomes
+the complete one only when the driver has its records, which Ray hands out only once the
+call returned and its three values are stored: a worker that dies during the export or the
+store leaves the snapshot before it the complete one, never a half copy. With
+``ZeroConfig(offload="disk")`` the export copies and stays inside the turn: the disk tier
+reads and writes the optimizer state beside the next step's forward.
 
 [Note: buddy copies]
 Where a shard physically lives: the worker that returns it writes it into the object store of
@@ -63,8 +60,10 @@ node before the copy arrived) lose the shard: the fallback is the disk checkpoin
 from __future__ import annotations
 
 import base64
+import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ray
 import torch
@@ -111,24 +110,46 @@ def capture(engine: Any, rank: int) -> Capture:
                    engine.step_count)
 
 
-def copy_shard(taken: Capture) -> Tuple[Dict[str, Any], Any, Dict[str, int]]:
+def copy_shard(taken: Capture, released: Callable[[], None]) -> Tuple[Dict[str, Any], Any, Dict[str, int]]:
     """``Worker.snapshot_shard``'s three return values: (this rank's shard, rank 0's untrained
-    state or None, a small record), from the state as it was at ``taken``."""
+    state or None, a small record), from the state as it was at ``taken``. The shard's arrays
+    may be views of the live state ([Note: overlapped snapshot copy]): ``released`` is called
+    once Ray has let go of every one of them, that is, once it has stored them; at once if the
+    export copied everything (offload="disk")."""
     engine = taken.engine
-    tensors, scalars = engine.export_state()
+    live = engine.zero.offload is None  # the disk tier's loaded state goes back to its files
+    tensors, scalars = engine.export_state(live=live)
     if scalars.get("step") != taken.step:
         raise RuntimeError(f"the snapshot of step {taken.step} saw step {scalars.get('step')}: the update ran "
                            "during its copy (a zeroray bug)")
     # The generator as it was between the steps, in export_state's encoding (engine/state.py):
     # the next step's forward may have drawn from it since.
     scalars["rng"] = base64.b64encode(taken.rng.numpy().tobytes()).decode()
-    # Ray copies a return value into the object store after the call returned, when the next
-    # step's update may already run: a tensor that is the live master (stages 1-3 on the CPU)
-    # is copied first, so the snapshot cannot catch that update half-way. Export's other tensors are new.
-    live = engine.master_shard().data_ptr()
-    shard = {"tensors": {k: to_wire(v.clone() if v.data_ptr() == live else v) for k, v in tensors.items()},
-             "scalars": scalars}
-    return shard, taken.untrained, {"step": taken.step}
+    wire = {k: to_wire(v) for k, v in tensors.items()}
+    del tensors
+    if live:
+        on_release(list(wire.values()), released)
+    else:
+        released()
+    return {"tensors": wire, "scalars": scalars}, taken.untrained, {"step": taken.step}
+
+
+def on_release(values: List[Any], callback: Callable[[], None]) -> None:
+    """Call ``callback`` once every one of ``values`` is gone (on the thread that drops the last
+    reference); see [Note: overlapped snapshot copy]. The caller keeps no reference to them."""
+    left = [len(values)]
+    lock = threading.Lock()
+
+    def gone() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            callback()
+    if not values:
+        callback()
+    for value in values:
+        weakref.finalize(value, gone)
 
 
 def needed_ranks(old_layout: FlatLayout, target: Tuple[Dict[str, Any], int]) -> List[int]:

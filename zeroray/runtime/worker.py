@@ -34,6 +34,9 @@ log = logging.getLogger("zeroray")
 ENGINE_THREADS = 4
 # warm: a spare's imports; copy: a buddy's copy of a snapshot shard; neither in the polls' way.
 CONCURRENCY_GROUPS = {"control": 1, "warm": 1, "copy": 1}
+# How long an engine call waits for a snapshot's arrays to be let go of before it runs the
+# cycle collector (see Worker._wait_copy).
+RELEASE_POLL_S = 10.0
 
 
 def engine_call(method: Optional[Callable] = None, *, waits_for_copy: bool = True) -> Callable:
@@ -268,10 +271,10 @@ class Worker:
 
         report = measure(self.engine, self.memory.report())
         report["rank"] = self.rank
-        report["rss_bytes"] = current_rss_bytes()  # before the export below allocates its copies
+        report["rss_bytes"] = current_rss_bytes()  # before the export below, which may allocate copies
         # What one in-memory snapshot of this rank takes in the object store, outside this process
         # (FailureConfig(snapshot_every), [Note: in-memory snapshots]): 1/N of the model states.
-        tensors, _ = self.engine.export_state()
+        tensors, _ = self.engine.export_state(live=True)  # only the sizes are read
         report["snapshot_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
         return report
 
@@ -283,7 +286,8 @@ class Worker:
         then a small record (the step count) the driver waits on. Called with num_returns=M+1."""
         from zeroray.runtime.state_transfer import cut_pieces
 
-        tensors, scalars = self.engine.export_state()
+        # live: cut_pieces copies what it sends, within this call's turn (no update runs beside it)
+        tensors, scalars = self.engine.export_state(live=True)
         pieces = cut_pieces(self.engine.layout, self.rank, tensors, scalars, targets)
         return (*pieces, {"step": self.engine.step_count})
 
@@ -293,7 +297,8 @@ class Worker:
         Ray objects the driver owns. Called with num_returns=3 and ``after_ok`` behind the step
         it captures; not ``engine_call`` only so that a cancelled call still returns three
         values. Its turn only captures what the next step's forward may change; the state is
-        copied after the turn, beside that forward ([Note: overlapped snapshot copy])."""
+        exported after the turn, beside that forward, and Ray's store of it is the copy
+        ([Note: overlapped snapshot copy])."""
         from zeroray.runtime.snapshot import Capture, capture, copy_shard
 
         self._arrived.at = time.time()
@@ -303,7 +308,7 @@ class Worker:
             self._wait_copy()  # the snapshot before (none is taken twice without a step between)
             taken = capture(self.engine, self.rank)
             if self.engine.zero.offload is not None:  # the disk tier reads and writes beside the next step
-                return copy_shard(taken)
+                return copy_shard(taken, released=lambda: None)
             self._copy_done = done
             return taken
         out = self._sequencer.run(ticket, take)
@@ -312,15 +317,23 @@ class Worker:
         if not isinstance(out, Capture):
             return out
         try:
-            return copy_shard(out)
-        finally:
-            done.set()
+            # The shard may hold views of the live state: ``done`` is set once Ray has stored
+            # them, after this method returned ([Note: overlapped snapshot copy]).
+            return copy_shard(out, released=done.set)
+        except BaseException:
+            done.set()  # nothing of the live state was returned
+            raise
 
     def _wait_copy(self) -> None:
-        """Wait for the snapshot copy in progress, if any ([Note: overlapped snapshot copy])."""
+        """Wait for the snapshot copy in progress, if any, to be stored ([Note: overlapped snapshot
+        copy] in runtime/snapshot.py)."""
         done = self._copy_done
-        if done is not None:
-            done.wait()
+        if done is None:
+            return
+        # Ray lets go of the returned arrays right after storing them. Were they caught in a
+        # reference cycle instead (a failed store's traceback), only the cycle collector frees them.
+        while not done.wait(RELEASE_POLL_S):
+            gc.collect()
 
     @engine_call
     def stage_snapshot(self, old_layout: Dict[str, Any], shard_refs: List[Any], untrained_refs: List[Any]
@@ -351,7 +364,8 @@ class Worker:
     def save_shard(self, root: str, step: int) -> Tuple[Any, Any]:
         from zeroray.checkpoint import write_extra, write_shard
 
-        tensors, scalars = self.engine.export_state()
+        # live: written before this call returns, within its turn (no update runs beside it)
+        tensors, scalars = self.engine.export_state(live=True)
         info = write_shard(root, step, self.rank, tensors, scalars)
         extra = write_extra(root, step, self.engine.untrained_state()) if self.rank == 0 else None
         return info, extra
