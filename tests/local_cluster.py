@@ -55,6 +55,7 @@ class LocalCluster:
 
     def __init__(self, cluster_dir: str, head_port: int, dashboard_port: int, owned: bool) -> None:
         self.dir, self.head_port, self.dashboard_port, self.owned = cluster_dir, head_port, dashboard_port, owned
+        self.stopped = False  # by stop(): a second stop() (a shared cluster's last user, then its owner) is a no-op
         env = dict(os.environ)
         for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
             env.pop(name, None)
@@ -119,11 +120,12 @@ class LocalCluster:
         return name
 
     def stop(self) -> Optional[str]:
-        """Stop the cluster if this object started it; the script's complaint, if any."""
-        if not self.owned:
+        """Stop the cluster if this object started it (and has not stopped it); the script's complaint, if any."""
+        if not self.owned or self.stopped:
             return None
         out = self._run("down", timeout=180)
         if out.returncode == 0:
+            self.stopped = True
             shutil.rmtree(self.dir, ignore_errors=True)
             return None
         return f"local-cluster.sh down: {out.stdout[-2000:]}{out.stderr[-2000:]} (state kept in {self.dir})"

@@ -132,6 +132,15 @@ def run_engines(world, specs):
         return out
 
 
+def run_engine_table(runs):
+    """``{key: (world, spec)}``, every run in ONE set of ``max(world)`` processes (each on ranks
+    0..world-1): ``{key: (rank results, consolidated params)}``. For a module whose tests
+    parametrize over the world size: one process start-up instead of one per world size."""
+    keys = list(runs)
+    specs = [dict(runs[k][1], world=runs[k][0]) for k in keys]
+    return dict(zip(keys, run_engines(max(runs[k][0] for k in keys), specs)))
+
+
 def consolidate(results):
     params = {}
     for name in results[0]["pieces"]:

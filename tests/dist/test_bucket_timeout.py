@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import zeroray as zr
-from tests.dist.harness import run_engines
+from tests.dist.harness import run_engine_table
 from tests.dist.test_engine_parity import ADAMW, assert_parity, ref_adamw
 from tests.models import (VOCAB, divergent_batches, divergent_model, lm_loss, make_batches, per_shard_loss,
                           reference_run)
@@ -60,20 +60,37 @@ CASES = {  # name: (stage, ZeroConfig overrides)
 }
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_parity_with_the_timeout_and_auto_sizes(world):
+WORLDS = (2, 3)
+
+
+def _specs(world):
+    """name -> spec of one world size: the CASES and a divergent stage-3 run."""
     batches = make_batches(STEPS)
-    ref = reference_run(paused_model, lm_loss, ref_adamw, batches)
-    specs = [dict(model_fn=paused_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
-                  zero=zr.ZeroConfig(stage=stage, **zero), batches=batches) for stage, zero in CASES.values()]
+    specs = {name: dict(model_fn=paused_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
+                        zero=zr.ZeroConfig(stage=stage, **zero), batches=batches)
+             for name, (stage, zero) in CASES.items()}
     # Ranks that take different branches (negotiated stage-3 steps) after two steps that agree:
     # the plan learned from those two is followed, and nothing is learned from the negotiated ones.
-    divergent = divergent_batches(STEPS, agree_first=2, world=world, batch=4 * world)
-    specs.append(dict(model_fn=divergent_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
-                      zero=zr.ZeroConfig(stage=3, wrap="module", bucket_bytes="auto", bucket_timeout_ms=0.05),
-                      batches=divergent))
-    runs = run_engines(world, specs)
-    for name, (results, params) in zip(list(CASES) + ["stage3-divergent"], runs):
+    specs["stage3-divergent"] = dict(
+        model_fn=divergent_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
+        zero=zr.ZeroConfig(stage=3, wrap="module", bucket_bytes="auto", bucket_timeout_ms=0.05),
+        batches=divergent_batches(STEPS, agree_first=2, world=world, batch=4 * world))
+    return specs
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Both world sizes in one set of 3 processes (start-up dominates): (world, name) -> run."""
+    return run_engine_table({(world, name): (world, spec) for world in WORLDS for name, spec in _specs(world).items()})
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_parity_with_the_timeout_and_auto_sizes(runs, world):
+    batches = make_batches(STEPS)
+    ref = reference_run(paused_model, lm_loss, ref_adamw, batches)
+    divergent = _specs(world)["stage3-divergent"]["batches"]
+    for name in list(CASES) + ["stage3-divergent"]:
+        results, params = runs[(world, name)]
         try:
             if name == "stage3-divergent":
                 assert_parity(reference_run(divergent_model, per_shard_loss(lm_loss, world), ref_adamw, divergent),

@@ -1,12 +1,13 @@
 """Exact parity of every stage with single-process PyTorch, in plain torch gloo processes.
 
-All configurations of one world size run in one set of processes (start-up dominates).
+Every configuration of every world size runs in one set of 3 processes (start-up dominates), a
+run on ranks 0..world-1 of it; each test checks its own runs.
 """
 import pytest
 import torch
 
 import zeroray as zr
-from tests.dist.harness import run_engines
+from tests.dist.harness import run_engine_table
 from tests.models import branch_model, lm_loss, make_batches, parity_model, reference_run
 
 STEPS = 10
@@ -55,6 +56,9 @@ CASES = {
 }
 
 
+PARITY_WORLDS, BRANCH_WORLDS = (1, 2, 3), (2, 3)
+
+
 @pytest.fixture(scope="module")
 def references():
     batches = make_batches(STEPS)
@@ -62,12 +66,27 @@ def references():
                      "branch": reference_run(branch_model, lm_loss, ref_adamw, batches)}
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_parity_every_stage_and_coordinator_setting(references, world):
-    batches, refs = references
-    names = list(CASES) if world > 1 else [f"stage{s}" for s in range(4)]
-    runs = run_engines(world, [CASES[n][0](batches) for n in names])
-    for name, (results, params) in zip(names, runs):
+def _parity_names(world):
+    return list(CASES) if world > 1 else [f"stage{s}" for s in range(4)]
+
+
+@pytest.fixture(scope="module")
+def runs(references):
+    """Both tests' runs at every world size, in one set of processes: key -> (results, params)."""
+    batches, _ = references
+    table = {("parity", world, name): (world, CASES[name][0](batches))
+             for world in PARITY_WORLDS for name in _parity_names(world)}
+    table.update({("branch", world, i): (world, _branch_spec(*case))
+                  for world in BRANCH_WORLDS for i, case in enumerate(_branch_cases(world))})
+    return run_engine_table(table)
+
+
+@pytest.mark.parametrize("world", PARITY_WORLDS)
+def test_parity_every_stage_and_coordinator_setting(references, runs, world):
+    _, refs = references
+    names = _parity_names(world)
+    for name in names:
+        results, params = runs[("parity", world, name)]
         try:
             assert_parity(refs[CASES[name][1]], results, params)
         except AssertionError as e:
@@ -97,15 +116,9 @@ def test_parity_every_stage_and_coordinator_setting(references, world):
             print(f"{world} workers: bytes per step vs stage 0: stage 3 {ratio:.3f}")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_taking_different_branches_train_exactly(world):
-    """Data-dependent control flow at stage 3 (issue 13 item 6): every worker's share routes on
-    its own data, so the workers run different modules, gather different units and produce
-    different gradients. Whether they diverge from the first step (no trace yet: every fetch is
-    negotiated) or only after following a trace for two steps (a worker leaves the plan in the
-    middle of forward), the result equals the reference in which each share routes on its own."""
-    from tests.models import (divergent_accum_batches, divergent_batches, divergent_model, per_shard_loss,
-                              routed_model)
+def _branch_cases(world):
+    """(model_fn, wrap, agree_first, grad_accum_steps, batches) of the branch test at ``world``."""
+    from tests.models import divergent_accum_batches, divergent_batches, divergent_model, routed_model
 
     cases = []
     for model_fn, wrap in ((divergent_model, "module"), (routed_model, "auto"), (divergent_model, "auto")):
@@ -115,10 +128,25 @@ def test_ranks_taking_different_branches_train_exactly(world):
     # With gradient accumulation the micro-batches of one worker diverge too.
     for model_fn, wrap in ((divergent_model, "module"), (routed_model, "auto")):
         cases.append((model_fn, wrap, 2, 2, divergent_accum_batches(5, world)))
-    runs = run_engines(world, [dict(model_fn=m, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
-                                    zero=zr.ZeroConfig(stage=3, wrap=w, grad_accum_steps=k), batches=b)
-                               for m, w, _, k, b in cases])
-    for (model_fn, wrap, agree_first, k, batches), (results, params) in zip(cases, runs):
+    return cases
+
+
+def _branch_spec(model_fn, wrap, agree_first, k, batches):
+    return dict(model_fn=model_fn, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
+                zero=zr.ZeroConfig(stage=3, wrap=wrap, grad_accum_steps=k), batches=batches)
+
+
+@pytest.mark.parametrize("world", BRANCH_WORLDS)
+def test_ranks_taking_different_branches_train_exactly(runs, world):
+    """Data-dependent control flow at stage 3 (issue 13 item 6): every worker's share routes on
+    its own data, so the workers run different modules, gather different units and produce
+    different gradients. Whether they diverge from the first step (no trace yet: every fetch is
+    negotiated) or only after following a trace for two steps (a worker leaves the plan in the
+    middle of forward), the result equals the reference in which each share routes on its own."""
+    from tests.models import per_shard_loss, routed_model
+
+    for i, (model_fn, wrap, agree_first, k, batches) in enumerate(_branch_cases(world)):
+        results, params = runs[("branch", world, i)]
         ref = reference_run(model_fn, per_shard_loss(lm_loss, world * k), ref_adamw, batches)
         try:
             assert_parity(ref, results, params)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import zeroray as zr
-from tests.dist.harness import run_engines
+from tests.dist.harness import run_engine_table, run_engines
 from tests.dist.test_engine_parity import assert_parity, global_losses
 from tests.models import VOCAB, lm_loss, make_batches, parity_model, reference_run
 
@@ -72,14 +72,32 @@ def cases(batches):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_optimizer_features_match_pytorch(world):
+WORLDS = (2, 3)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Both world sizes of the first test and the runs of the second in one set of 3 processes
+    (start-up dominates): key -> (results, params)."""
     batches = make_batches(STEPS)
-    specs = cases(batches)
-    runs = run_engines(world, [dict(model_fn=parity_model, loss_fn=lm_loss, batches=batches, **spec)
-                               for spec, _ in specs.values()])
-    for (name, (_, ref_kwargs)), (results, params) in zip(specs.items(), runs):
-        ref = reference_run(parity_model, lm_loss, batches=batches, **ref_kwargs)
+    table = {(world, name): (world, dict(model_fn=parity_model, loss_fn=lm_loss, batches=batches, **spec))
+             for world in WORLDS for name, (spec, _) in cases(batches).items()}
+    table.update({("mixed", i): (2, spec) for i, spec in enumerate(_mixed_precision_specs())})
+    return run_engine_table(table)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Single-process PyTorch per case: the batches are the same at every world size."""
+    batches = make_batches(STEPS)
+    return {name: reference_run(parity_model, lm_loss, batches=batches, **ref_kwargs)
+            for name, (_, ref_kwargs) in cases(batches).items()}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_optimizer_features_match_pytorch(runs, references, world):
+    for name, ref in references.items():
+        results, params = runs[(world, name)]
         try:
             assert_parity(ref, results, params)
             assert results[0]["norms"] == pytest.approx(ref[1], rel=1e-4)  # pre-clip global norm
@@ -87,10 +105,8 @@ def test_optimizer_features_match_pytorch(world):
             raise AssertionError(f"{name}, {world} workers: {e}") from None
 
 
-def test_mixed_precision_and_loss_scaling():
-    """bf16/fp16 track fp32; an overflow on one rank skips the step on every rank and halves the scale;
-    a scale that would fall below min_loss_scale raises a clear error."""
-    world = 2
+def _mixed_precision_specs():
+    """The second test's runs, on 2 workers."""
     batches = make_batches(STEPS)
     poisoned = poisoned_batches(STEPS, {2})
     base = dict(model_fn=parity_model, optimizer=zr.AdamW(lr=1e-2))
@@ -106,7 +122,13 @@ def test_mixed_precision_and_loss_scaling():
     # the same run without the poisoned batch: the skipped step must leave no trace
     clean = [b for i, b in enumerate(poisoned) if i != 2]
     specs.append(dict(base, loss_fn=poisoned_loss, batches=clean, zero=fp16))
-    runs = run_engines(world, specs)
+    return specs
+
+
+def test_mixed_precision_and_loss_scaling(runs):
+    """bf16/fp16 track fp32; an overflow on one rank skips the step on every rank and halves the scale;
+    a scale that would fall below min_loss_scale raises a clear error."""
+    runs = [runs[("mixed", i)] for i in range(len(_mixed_precision_specs()))]
     for i, s in enumerate((0, 3)):
         fp32, bf16, fp16 = (global_losses(runs[3 * i + k][0]) for k in range(3))
         # bf16 keeps 8 mantissa bits (~0.4% per rounding); fp16 keeps 11 (~0.05%). Over 8 steps of a

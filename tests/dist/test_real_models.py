@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zeroray as zr
-from tests.dist.harness import run_engines
+from tests.dist.harness import run_engine_table
 from tests.dist.test_engine_parity import assert_parity, global_losses
 from tests.models import reference_run
 from tests.real_models import FACTORIES, hf_gpt2, real_batches, real_loss
@@ -60,43 +60,60 @@ def _models(saved):
             "hf.pretrained": pretrained(saved)}
 
 
-_RUNS = {}
+def _specs(saved, world):
+    """(name, stage, kind) -> spec: every (model, stage) and the extra cases of one world size."""
+    batches = real_batches(STEPS, batch=4 * world)
+    specs = {}
+    for name, model_fn in _models(saved).items():
+        for stage in (1, 2, 3):
+            specs[(name, stage, "plain")] = dict(model_fn=model_fn, loss_fn=real_loss, optimizer=zr.AdamW(**ADAMW),
+                                                 zero=zr.ZeroConfig(stage=stage), batches=batches)
+    for stage in (2, 3):
+        specs[("nano", stage, "l2")] = dict(model_fn=FACTORIES["nano"], loss_fn=l2_loss, optimizer=zr.AdamW(**ADAMW),
+                                            zero=zr.ZeroConfig(stage=stage), batches=batches)
+    # Activation checkpointing at stage 3: recomputation in backward fetches the blocks again
+    # (the checkpointed block's own hooks do not fire then), whole blocks and module by module.
+    for wrap in ("auto", "module"):
+        specs[("mha", 3, f"ckpt-{wrap}")] = dict(
+            model_fn=FACTORIES["mha"], loss_fn=real_loss, optimizer=zr.AdamW(**ADAMW),
+            zero=zr.ZeroConfig(stage=3, activation_checkpointing=True, wrap=wrap), batches=batches)
+    return specs
 
 
-def _runs(saved, world):
-    """Every (model, stage) and the extra cases of one world size in one set of processes."""
-    if world not in _RUNS:
-        batches = real_batches(STEPS, batch=4 * world)
-        keys, specs = [], []
-        for name, model_fn in _models(saved).items():
-            for stage in (1, 2, 3):
-                keys.append((name, stage, "plain"))
-                specs.append(dict(model_fn=model_fn, loss_fn=real_loss, optimizer=zr.AdamW(**ADAMW),
-                                  zero=zr.ZeroConfig(stage=stage), batches=batches))
-        for stage in (2, 3):
-            keys.append(("nano", stage, "l2"))
-            specs.append(dict(model_fn=FACTORIES["nano"], loss_fn=l2_loss, optimizer=zr.AdamW(**ADAMW),
-                              zero=zr.ZeroConfig(stage=stage), batches=batches))
-        # Activation checkpointing at stage 3: recomputation in backward fetches the blocks again
-        # (the checkpointed block's own hooks do not fire then), whole blocks and module by module.
-        for wrap in ("auto", "module"):
-            keys.append(("mha", 3, f"ckpt-{wrap}"))
-            specs.append(dict(model_fn=FACTORIES["mha"], loss_fn=real_loss, optimizer=zr.AdamW(**ADAMW),
-                              zero=zr.ZeroConfig(stage=3, activation_checkpointing=True, wrap=wrap),
-                              batches=batches))
-        _RUNS[world] = (batches, dict(zip(keys, run_engines(world, specs))))
-    return _RUNS[world]
+def _llama_bf16_spec():
+    from tests.real_models import hf_llama
+
+    return dict(model_fn=hf_llama, loss_fn=real_loss, optimizer=zr.AdamW(lr=1e-3),
+                zero=zr.ZeroConfig(stage=3, dtype="bf16"), batches=real_batches(2, batch=8))
+
+
+@pytest.fixture(scope="module")
+def runs(saved_gpt2):
+    """Each world size's runs in a set of processes of its own, the bf16 Llama run of the test
+    below with the 2-worker ones (start-up, transformers' import included, is a set's largest
+    cost): (world, key) -> (results, params)."""
+    out = {}
+    for world in WORLDS:
+        table = {(world, key): (world, spec) for key, spec in _specs(saved_gpt2, world).items()}
+        if world == 2:
+            table[(2, "llama-bf16")] = (2, _llama_bf16_spec())
+        out.update(run_engine_table(table))
+    return out
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_models_we_did_not_write_match_pytorch(saved_gpt2, world):
-    batches, runs = _runs(saved_gpt2, world)
+def test_models_we_did_not_write_match_pytorch(saved_gpt2, runs, world):
+    batches = real_batches(STEPS, batch=4 * world)
     table = []
-    for (name, stage, kind), (results, params) in runs.items():
+    refs = {}  # the reference depends on the model and the loss, not on the stage or the checkpointing
+    for name, stage, kind in _specs(saved_gpt2, world):
+        results, params = runs[(world, (name, stage, kind))]
         # zeroray.hf.pretrained's weights are the saved ones: the reference loads them whole
-        model_fn = _models(saved_gpt2)["from_pretrained" if name == "hf.pretrained" else name]
+        ref_name = "from_pretrained" if name == "hf.pretrained" else name
         loss_fn = l2_loss if kind == "l2" else real_loss
-        ref = reference_run(model_fn, loss_fn, ref_adamw, batches)
+        if (ref_name, loss_fn) not in refs:
+            refs[(ref_name, loss_fn)] = reference_run(_models(saved_gpt2)[ref_name], loss_fn, ref_adamw, batches)
+        ref = refs[(ref_name, loss_fn)]
         try:
             assert_parity(ref, results, params)
         except AssertionError as e:
@@ -112,17 +129,15 @@ def _touch_in_param_groups(name, p):
     return {"weight_decay": 0.0 if float(p.detach().abs().sum()) > 0 else 0.1}
 
 
-def test_bf16_keeps_buffers_and_a_parameter_read_between_steps_is_an_error():
+def test_bf16_keeps_buffers_and_a_parameter_read_between_steps_is_an_error(runs):
     """bf16 keeps Llama's rotary inv_freq buffers in fp32 ([Note: mixed precision] in
     zeroray/engine/precision.py), and training works: transformers computes the rotary angles in fp32
     and casts them itself; and at stage
     3 a parameter read outside a step (here in a param_groups callback, at construction) raises
     ParameterAccessError naming it, instead of reading a freed buffer."""
     from tests.dist.harness import run_engine
-    from tests.real_models import hf_llama
 
-    results, _ = run_engine(2, model_fn=hf_llama, loss_fn=real_loss, optimizer=zr.AdamW(lr=1e-3),
-                            zero=zr.ZeroConfig(stage=3, dtype="bf16"), batches=real_batches(2, batch=8))
+    results, _ = runs[(2, "llama-bf16")]  # run with the module's other runs (_llama_bf16_spec)
     for r in results:
         assert r["buffer_dtypes"]["model.rotary_emb.inv_freq"] == torch.float32, r["buffer_dtypes"]
         assert all(abs(x) < 10 for x in r["losses"]), r["losses"]

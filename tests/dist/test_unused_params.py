@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import zeroray as zr
-from tests.dist.harness import record_failure, run_engines, spawn_ranks
+from tests.dist.harness import record_failure, run_engine_table, run_engines, spawn_ranks
 from tests.dist.test_engine_parity import assert_parity, global_losses
 from tests.experts import expert_batches, experts_model, unused_in
 from tests.models import lm_loss
@@ -84,24 +84,26 @@ def check_like_torch(ref, results, params):
     return loss, max((params[k].reshape(v.shape) - v).abs().max().item() for k, v in state.items())
 
 
+WORLDS = (2, 3)
+
+
+def _case_batches(world):
+    return {k: expert_batches(STEPS, world * k) for k in {k for _, k in CASES}}
+
+
 @pytest.fixture(scope="module")
 def engine_runs():
-    """world -> (batches by grad_accum_steps, every case of CASES at ``world`` workers), each run
-    once per module (process start-up dominates)."""
-    done = {}
-
-    def runs(world):
-        if world not in done:
-            batches = {k: expert_batches(STEPS, world * k) for k in {k for _, k in CASES}}
-            specs = [dict(model_fn=experts_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
-                          zero=zr.ZeroConfig(stage=stage, grad_accum_steps=k), batches=batches[k],
-                          inspect=optimizer_view) for stage, k in CASES]
-            done[world] = (batches, run_engines(world, specs))
-        return done[world]
-    return runs
+    """world -> (batches by grad_accum_steps, every case of CASES at ``world`` workers): both
+    world sizes run once per module, in one set of 3 processes (process start-up dominates)."""
+    table = {(world, i): (world, dict(model_fn=experts_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
+                                      zero=zr.ZeroConfig(stage=stage, grad_accum_steps=k),
+                                      batches=_case_batches(world)[k], inspect=optimizer_view))
+             for world in WORLDS for i, (stage, k) in enumerate(CASES)}
+    done = run_engine_table(table)
+    return lambda world: (_case_batches(world), [done[(world, i)] for i in range(len(CASES))])
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 def test_unused_parameters_train_exactly_as_in_torch(engine_runs, world):
     batches, runs = engine_runs(world)
     refs = {k: torch_run(b) for k, b in batches.items()}

@@ -10,8 +10,9 @@
   long run is ``python benchmarks/chaos.py --cycles 50``).
 
 Both scripts run as subprocesses (their own drivers, with the cluster's token), so nothing of the
-cluster's Ray state reaches this pytest process; the cluster is started once for both, and
-``local-cluster.sh down`` must find nothing left of it.
+cluster's Ray state reaches this pytest process; the cluster is started once for both (and for
+test_elastic_resume.py after them: tests/e2e/conftest.py), and ``local-cluster.sh down`` must find
+nothing left of it.
 """
 from __future__ import annotations
 
@@ -36,13 +37,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    cluster = LocalCluster.start(num_worker_nodes=2, node_cpus=2)
-    try:
-        yield cluster
-    finally:
-        problem = cluster.stop()
-        assert problem is None, problem
+def cluster(shared_cluster):
+    return shared_cluster
 
 
 def _run(script: str, cluster: LocalCluster, *args: str, marker: str, timeout: float) -> dict:

@@ -2,12 +2,13 @@
 uninterrupted run ([Note: resuming the main job] in examples/train_gpt.py).
 
 Job 1 (`ray job submit` to a cluster/local-cluster.sh cluster: a head and two worker nodes on
-this machine) trains 2 workers at stage 3, saves every K steps and stops after step K
-(`--stop-after K`); job 2 resumes the latest checkpoint (`--resume latest`) with 3 workers at
-stage 2 and trains to the run's total, --steps. The per-step losses of both jobs (their
---metrics files) and the final checkpoint's weights must equal single-process PyTorch trained on
-the same global batches, within the tolerance of zeroray's own restore and resize tests
-(tests/ray/test_checkpoint_resize.py: losses rel 1e-5, parameters 1e-5), in fp32.
+this machine, the one test_chaos.py ran on: tests/e2e/conftest.py) trains 2 workers at stage 3,
+saves every K steps and stops after step K (`--stop-after K`); job 2 resumes the latest
+checkpoint (`--resume latest`) with 3 workers at stage 2 and trains to the run's total, --steps.
+The per-step losses of both jobs (their --metrics files) and the final checkpoint's weights must
+equal single-process PyTorch trained on the same global batches, within the tolerance of
+zeroray's own restore and resize tests (tests/ray/test_checkpoint_resize.py: losses rel 1e-5,
+parameters 1e-5), in fp32.
 
 Why --stop-after rather than killing job 1: seven steps of a tiny model take well under a
 second, so a kill would race the run and which checkpoint the resume reads would depend on
@@ -85,28 +86,31 @@ def _reference():
     return losses, state
 
 
+@pytest.fixture(scope="module")
+def cluster(shared_cluster):
+    """The cluster test_chaos.py ran on (tests/e2e/conftest.py), stopped once this module is done:
+    ``local-cluster.sh down`` must find nothing left of it (nothing of the jobs either)."""
+    yield shared_cluster
+    problem = shared_cluster.stop()
+    assert problem is None, problem
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local-cluster.sh needs Linux")
 @pytest.mark.skipif(shutil.which("setsid") is None, reason="local-cluster.sh needs setsid")
-def test_stop_at_2_workers_resume_at_3_equals_one_run(tmp_path):
+def test_stop_at_2_workers_resume_at_3_equals_one_run(cluster, tmp_path):
     started = time.monotonic()
     ckpt = tmp_path / "ckpt"
-    cluster = LocalCluster.start(num_worker_nodes=2, node_cpus=2)
-    try:
-        up_s = time.monotonic() - started
-        log1 = _submit(cluster, [*MODEL_ARGS, "--num-workers", "2", "--stage", "3", "--checkpoint-dir", str(ckpt),
-                                 "--checkpoint-every", str(K), "--stop-after", str(K),
-                                 "--metrics", str(tmp_path / "job1.jsonl")])
-        job1_s = time.monotonic() - started - up_s
-        assert f"stopped at step {K} of {STEPS}" in log1, log1[-4000:]
-        assert str(latest_checkpoint(str(ckpt))).endswith(f"step_{K:08d}")
-        log2 = _submit(cluster, [*MODEL_ARGS, "--num-workers", "3", "--stage", "2", "--checkpoint-dir", str(ckpt),
-                                 "--checkpoint-every", str(K), "--resume", "latest",
-                                 "--metrics", str(tmp_path / "job2.jsonl")])
-        job2_s = time.monotonic() - started - up_s - job1_s
-    finally:
-        problem = cluster.close()
-    assert problem is None, problem
+    log1 = _submit(cluster, [*MODEL_ARGS, "--num-workers", "2", "--stage", "3", "--checkpoint-dir", str(ckpt),
+                             "--checkpoint-every", str(K), "--stop-after", str(K),
+                             "--metrics", str(tmp_path / "job1.jsonl")])
+    job1_s = time.monotonic() - started
+    assert f"stopped at step {K} of {STEPS}" in log1, log1[-4000:]
+    assert str(latest_checkpoint(str(ckpt))).endswith(f"step_{K:08d}")
+    log2 = _submit(cluster, [*MODEL_ARGS, "--num-workers", "3", "--stage", "2", "--checkpoint-dir", str(ckpt),
+                             "--checkpoint-every", str(K), "--resume", "latest",
+                             "--metrics", str(tmp_path / "job2.jsonl")])
+    job2_s = time.monotonic() - started - job1_s
     assert f"step_{K:08d}: step {K} of {STEPS}, saved by 2 worker(s), continuing with 3" in log2, log2[-4000:]
     assert sum(f"worker {r} on node" in log2 for r in range(3)) == 3, log2[-4000:]
 
@@ -123,7 +127,7 @@ def test_stop_at_2_workers_resume_at_3_equals_one_run(tmp_path):
     worst = max((got[k].float() - v).abs().max().item() for k, v in ref_state.items())
     assert worst <= 1e-5, worst
     worst_loss = max(abs(losses[s] - ref_losses[s - 1]) / abs(ref_losses[s - 1]) for s in losses)
-    print(f"\n  cluster up {up_s:.0f}s, job 1 (2 workers, stage 3, steps 1-{K}) {job1_s:.0f}s, job 2 (3 workers, "
+    print(f"\n  job 1 (2 workers, stage 3, steps 1-{K}) {job1_s:.0f}s, job 2 (3 workers, "
           f"stage 2, steps {K + 1}-{STEPS}) {job2_s:.0f}s; against uninterrupted PyTorch: max loss rel diff "
           f"{worst_loss:.1e}, max param diff {worst:.1e}")
     print("  losses: " + " ".join(f"{losses[s]:.6f}" for s in range(1, STEPS + 1)))
