@@ -51,7 +51,7 @@ from zeroray.fetch.unit import Units
 from zeroray.layout.arena import FlatLayout
 from zeroray.layout.local_shard import LocalShard
 from zeroray.layout.stage import StagePolicy
-from zeroray.memory.process import MappedBlocks
+from zeroray.memory.process import MappedBlocks, fix_heap_ceiling
 from zeroray.offload.master import DiskMaster
 from zeroray.offload.shard import DiskShard
 
@@ -236,7 +236,10 @@ def build_storage(policy: StagePolicy, layout: FlatLayout, named: Dict[str, torc
     if policy.reshard_after_use or (policy.keeps_param_shard and not fp32):
         init = initial_shard(layout, named, kept, rank, device)
     # Stage 3 on CPU: unit buffers off the heap ([Note: process memory] in memory/process.py).
-    mapped = MappedBlocks().mapped if policy.reshard_after_use and torch.device(device).type == "cpu" else None
+    cpu = torch.device(device).type == "cpu"
+    mapped = MappedBlocks().mapped if policy.reshard_after_use and cpu else None
+    if cpu and not policy.reshard_after_use:  # stages 0-2: activations stay in the heap (the same note)
+        fix_heap_ceiling()
     units = Units(layout, dtype, device, persistent=not policy.reshard_after_use, mapped=mapped)
     units.bind(named, copy_values=kept is None)
     if not policy.keeps_param_shard:

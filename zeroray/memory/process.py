@@ -43,6 +43,26 @@ each one measured (``benchmarks/memory_rss.py``).
   rule tops out in the processes of stages 0-2 and of torch's DDP and FSDP2. A unit's buffer is
   then served from that kept top of the heap where it fits (glibc maps a block only when the
   heap cannot serve it), which the peaks measured at 101M parameters did not notice.
+- Stages 0-2 at glibc's own ceiling. Left to glibc, the two thresholds move with whatever
+  the process freed last: a Ray worker's allocations before the engine (Ray's, the import's)
+  leave them anywhere up to the ceiling, and from there a step's freed activations may be
+  handed back to the OS at the end of backward (above the trim threshold at the top of the
+  heap) or served as mappings of their own (above the mmap threshold), and faulted in afresh,
+  kernel-zeroed, by the next step. Which of them a run does comes and goes from run to run:
+  the ``nn.MultiheadAttention`` GPT (benchmarks/bench_models.py) at stage 0 through Ray faulted
+  16 to 9,000 pages a step on rank 0, where torch's DDP of the same model, on its process's
+  main thread, faulted none. The compute thread's arena adds a way of its own: it is made of
+  heaps of at most 64 MiB, and a heap that a step needed beyond the first is deleted whole when
+  backward has freed it (glibc does that whatever the trim threshold, where the heap before it
+  has room for twice ``M_TOP_PAD``), to be mapped and faulted in again by the next step. So at
+  stages 0-2 on CPU the engine fixes the allocator where glibc's rule ends up on a model whose
+  blocks reach the ceiling (``fix_heap_ceiling``): the mmap threshold at ``MMAP_CEILING``
+  (blocks below it reuse the heap's pages, as stages 0-2 and DDP do once the threshold has
+  risen), the trim threshold at ``TRIM_THRESHOLD`` (twice that, as glibc's rule sets it), and
+  the top pad at the same, which keeps a thread arena's heaps as the trim threshold keeps the
+  main heap's top. Nothing is mapped that glibc's rule at its ceiling would keep in the heap,
+  and no more is kept at the top of a heap than that rule keeps. benchmarks/README.md has what
+  it measured.
 - A trim after construction: the construction transient freed to the heap (the model built
   whole before it is bound to the arena, the sharded build's scratch), and the cyclic garbage
   of a first-time import, is handed back to the OS with ``gc.collect()`` and
@@ -98,8 +118,12 @@ MAPPED_THRESHOLD = 128 << 10  # glibc's initial threshold: a unit's buffer small
 # Stage 3's heap trim threshold: twice glibc's 32 MiB ceiling of the mmap threshold, the most its
 # dynamic rule gives (see the note: without it fixing the mmap threshold left it at 128 KiB).
 TRIM_THRESHOLD = 64 << 20
+# Stages 0-2's mmap threshold (fix_heap_ceiling): glibc's ceiling of its dynamic one (DEFAULT_MMAP_THRESHOLD_MAX
+# on 64-bit), where its rule ends up once a block that large was freed.
+MMAP_CEILING = 32 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter numbers (malloc.h)
 _M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
 
 
 def _libc():
@@ -145,6 +169,17 @@ class MappedBlocks:
             yield
         finally:
             self._mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD)
+
+
+def fix_heap_ceiling() -> bool:
+    """Stages 0-2 on CPU: fix glibc's mmap and trim thresholds where its own rule tops out
+    (``MMAP_CEILING``, ``TRIM_THRESHOLD``), so that a step's freed activations stay in the heap for
+    the next step instead of being faulted in afresh; see [Note: process memory]. Process-wide;
+    False where glibc's ``mallopt`` is not there (the allocator then stays as it is)."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None or mallopt(_M_MMAP_THRESHOLD, MMAP_CEILING) != 1:
+        return False
+    return mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and mallopt(_M_TOP_PAD, TRIM_THRESHOLD) == 1
 
 
 def trim_heap() -> None:
