@@ -75,6 +75,37 @@ def test_a_read_in_loss_fn_is_held_until_backward():
     assert all(2 not in p.release for p in s.positions)
 
 
+def test_the_next_events_units_are_gathered_apart_ahead_of_the_rest():
+    # [Note: next event apart]: four blocks of two units each; everything fits in one bucket and
+    # in the window. The first event gathers block 0 on demand; the prefetch starts the rest of
+    # the model, block 1's units (the next event's) as a gather of their own, then the rest as one.
+    trace = [(F, 0), (E, 0), (F, 1), (E, 1), (F, 2), (E, 2), (F, 3), (E, 3), (S, 0)] + \
+        [(B, u) for u in range(7, -1, -1)]
+    needs = [(0, 1), (2, 3), (4, 5), (6, 7)]
+    s = Schedule.build(trace, needs, [100] * 8, lambda units: [list(units)], prefetch=True, prefetch_bytes=10_000,
+                       max_live_bytes=100_000, reuse_distance=0)
+    assert s.positions[0].on_demand == ((0, 1),)
+    assert s.positions[0].prefetch == ((2, 3), (4, 5, 6, 7))
+    assert s.groups == [(0, 1), (2, 3), (4, 5, 6, 7)]  # one collective more than coalescing all, no unit twice
+    # A prefetch of the next event alone, or of a partial event, is not split.
+    one = Schedule.build(trace, needs, [100] * 8, lambda units: [list(units)], prefetch=True, prefetch_bytes=200,
+                         max_live_bytes=100_000, reuse_distance=0)
+    assert one.positions[0].prefetch == ((2, 3),)
+
+
+def test_where_the_next_event_is_already_gathered_the_prefetch_is_not_split():
+    # A window of 200 bytes sliding over six blocks, blocks 3 and 4 half the size of the others.
+    # The first event's prefetch splits (blocks 1 and 2). At block 1's forward the window takes
+    # blocks 3 and 4 at once, but the next event (block 2) is gathered already, so its compute
+    # overlaps them: one collective, as at every later position.
+    trace = [e for m in range(6) for e in ((F, m), (E, m))] + [(S, 0)] + [(B, u) for u in range(5, -1, -1)]
+    s = Schedule.build(trace, [(u,) for u in range(6)], [100, 100, 100, 50, 50, 100], lambda units: [list(units)],
+                       prefetch=True, prefetch_bytes=200, max_live_bytes=100_000, reuse_distance=0)
+    assert s.positions[0].prefetch == ((1,), (2,))
+    assert s.positions[2].prefetch == ((3, 4),)
+    assert all(len(p.prefetch) <= 1 for p in s.positions[1:])
+
+
 def test_every_position_knows_its_gathers_and_the_plan_lists_them_in_issue_order():
     s = build(prefetch_bytes=100)
     flat = []

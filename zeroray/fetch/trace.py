@@ -136,7 +136,7 @@ class Schedule:
                 alive.update(missing)
                 if prefetch:
                     todo = _prefetch(i, needs, alive, unit_bytes, prefetch_bytes, max_live_bytes, live())
-                    fetched = [tuple(g) for g in coalesce(todo)] if todo else []
+                    fetched = [tuple(g) for part in _next_event_apart(i, needs, todo) for g in coalesce(part)]
                     alive.update(todo)
             if holds.in_backward:
                 for u in needs[i]:
@@ -215,6 +215,47 @@ def _prefetch(i: int, needs: List[Tuple[int, ...]], alive: set, unit_bytes: Sequ
                 live += nbytes
             budget += nbytes
     return todo
+
+
+def _next_event_apart(i: int, needs: List[Tuple[int, ...]], todo: List[int]) -> List[List[int]]:
+    """``todo`` (the prefetch of position ``i``, in trace order) as the parts coalesced apart:
+    the units of the next need-bearing event first, on their own, when the prefetch also starts
+    later events' units; else all of it as one part.
+
+    [Note: next event apart]
+    A unit's wait is its gather's, and coalescing puts a prefetch's units into as few gathers as
+    the bucket bound allows. Where one prefetch starts the units of several upcoming events, the
+    first of them to run waits for all of them: at a micro-batch's first event, which gathers
+    its own units on demand and then prefetches the rest of a model that fits in the window,
+    block 0 would start only once the whole model arrived, with nothing to overlap that gather
+    with. So when the prefetch includes units of the *next* need-bearing event and of later ones,
+    the next event's units go first as a gather of their own and the rest coalesce after them:
+    a channel's gathers go out in issue order ([Note: channels] in comm/group.py; on gloo each
+    peer's messages in the order they were posted, [Note: gloo point-to-point] in
+    comm/exchange.py), so the small one arrives first and the next event computes while the
+    rest arrive. The cost is one
+    collective more (a hop's latency, on the communication thread) per such split.
+    The rule is for the next event only. Where the next event's units are already gathered or
+    in flight, the first event to wait for this prefetch runs after at least one event's
+    compute, which overlaps the whole prefetch already; splitting there would add a collective
+    at every position of a window that slides a block and a part at a time, for little. In the
+    steady state the prefetch adds the far end of the window, the next event is ready, and
+    nothing splits: in practice the split happens where the window opens, at a micro-batch's
+    first event (and at any event that finds the next one not gathered, e.g. after a window too
+    small to have held it). The turn to backward needs nothing of its own: the units the
+    backward starts with are the forward's last, still gathered (or prefetched like any other
+    upcoming event). Like the rest of the schedule this is a function of the trace and the
+    configuration only, the same on every rank ([Note: collective order] in comm/group.py)."""
+    nxt = next((j for j in range(i + 1, len(needs)) if needs[j]), None)
+    if not todo or nxt is None:
+        return [todo] if todo else []
+    first = set(needs[nxt])
+    k = 0
+    while k < len(todo) and todo[k] in first:  # the next event's units lead: todo is in trace order
+        k += 1
+    if k == 0 or k == len(todo):
+        return [todo]
+    return [todo[:k], todo[k:]]
 
 
 def _distinct_bytes(needs: List[Tuple[int, ...]], start: int, stop: int, unit_bytes: Sequence[int], unit: int,
