@@ -109,3 +109,30 @@ def test_import_then_steps_continue_bitwise():
     (a, _), (b, _) = original.export_state(), restored.export_state()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert restored.export_state(live=True)[0]["optim.exp_avg"] is restored.flat_state.flats["exp_avg"]
+
+
+@pytest.mark.parametrize("name", ["adamw-fused", "adamw-single", "adam-amsgrad-foreach"])
+def test_one_segment_over_the_whole_shard_is_its_own_flat(name):
+    # One segment (stage 0, or an optimizer without per-group options): the piece's state tensor,
+    # made by the optimizer at its first update, becomes the key's flat as it is. Moving it into a
+    # new flat held the key twice at that update (the step's peak; benchmarks/README.md).
+    torch.manual_seed(0)
+    start = torch.randn(10)
+    opt = ShardedOptimizer(SPECS[name], start.clone(), torch.zeros(10), [Segment(0, 10, ())], None,
+                           param_spans=SPANS)
+    made = {}
+    opt.inner.register_step_post_hook(lambda o, args, kwargs: made.update(
+        {k: v.data_ptr() for s in o.state.values() for k, v in s.items() if v.dim() > 0}))
+    opt.grad.copy_(torch.randn(10))
+    opt.step(norm=1.0)
+    flats = opt.flat_state.flats
+    assert sorted(flats) == _keys(opt) and made.keys() == flats.keys()
+    assert all(flats[k].data_ptr() == made[k] for k in flats)  # no second copy of any key
+    tensors, _ = opt.export_state(live=True)
+    assert all(tensors[f"optim.{k}"] is flats[k] for k in flats)
+    ref = (SPECS[name].build if hasattr(SPECS[name], "build") else SPECS[name])(
+        [{"params": [p := torch.nn.Parameter(start.clone())]}])
+    p.grad = opt.grad.clone()
+    ref.step()
+    for k in flats:
+        assert torch.equal(flats[k], ref.state[p][k]), k

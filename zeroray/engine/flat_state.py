@@ -59,7 +59,9 @@ class FlatState:
                 continue
             flat = self.flats.get(key)
             if flat is None or flat.dtype != first.dtype or flat.device != first.device:
-                flat = self.flats[key] = _new_flat(self.numel, first, [(pc.start, pc.end) for pc, _ in held])
+                whole = _covering(first, held, self.numel)
+                flat = self.flats[key] = whole if whole is not None else \
+                    _new_flat(self.numel, first, [(pc.start, pc.end) for pc, _ in held])
             del first
             for pc, state in held:
                 if not _is_view_at(state[key], flat, pc.start, pc.end):
@@ -75,6 +77,17 @@ class FlatState:
         if flat is None or not all(_is_view_at(v, flat, pc.start, pc.end) for pc, v in held):
             return None
         return flat
+
+
+def _covering(first: torch.Tensor, held: List[Tuple[Any, Dict[str, Any]]], numel: int) -> Optional[torch.Tensor]:
+    """The one piece's tensor itself where a single piece covers the whole shard (one segment: stage 0
+    and any optimizer without per-group options): it becomes the flat as it is. Copying it into a new
+    flat instead held the key twice at the first update, which was then the step's peak (benchmarks/
+    README.md, "The first update's re-homing")."""
+    pc = held[0][0]
+    if len(held) == 1 and pc.start == 0 and pc.end == numel and first.dim() == 1 and first.stride() == (1,):
+        return first
+    return None
 
 
 def _new_flat(numel: int, like: torch.Tensor, held: List[Tuple[int, int]]) -> torch.Tensor:
