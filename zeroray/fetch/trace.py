@@ -233,8 +233,8 @@ def _next_event_apart(i: int, needs: List[Tuple[int, ...]], todo: List[int]) -> 
     a channel's gathers go out in issue order ([Note: channels] in comm/group.py; on gloo each
     peer's messages in the order they were posted, [Note: gloo point-to-point] in
     comm/exchange.py), so the small one arrives first and the next event computes while the
-    rest arrive. The cost is one
-    collective more (a hop's latency, on the communication thread) per such split.
+    rest arrive. The cost is one collective more (a hop's latency, on the communication thread)
+    per such split.
     The rule is for the next event only. Where the next event's units are already gathered or
     in flight, the first event to wait for this prefetch runs after at least one event's
     compute, which overlaps the whole prefetch already; splitting there would add a collective

@@ -126,9 +126,11 @@ _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 
 
-def _libc():
+def _glibc(name: str):
+    """glibc's function ``name`` (``mallopt``, ``malloc_trim``), or None where it is not there
+    (the allocator then stays as it is)."""
     try:
-        return ctypes.CDLL(None)
+        return getattr(ctypes.CDLL(None), name, None)
     except OSError:
         return None
 
@@ -137,7 +139,7 @@ def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
     """Serve allocations of ``nbytes`` or more from mappings of their own, returned to the OS
     when freed, for the rest of the process; see [Note: process memory]. False where glibc's
     ``mallopt`` is not there (the allocator then stays as it is)."""
-    mallopt = getattr(_libc(), "mallopt", None)
+    mallopt = _glibc("mallopt")
     return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, int(nbytes)) == 1)
 
 
@@ -148,7 +150,7 @@ class MappedBlocks:
     tunes; does nothing where glibc's ``mallopt`` is not there (then ``active`` is False)."""
 
     def __init__(self) -> None:
-        mallopt = getattr(_libc(), "mallopt", None)
+        mallopt = _glibc("mallopt")
         # Fixing the threshold also stops glibc raising it: it stays where mapped() puts it back.
         self._mallopt = mallopt if mallopt is not None and mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD) == 1 else None
         if self._mallopt is not None:
@@ -176,7 +178,7 @@ def fix_heap_ceiling() -> bool:
     (``MMAP_CEILING``, ``TRIM_THRESHOLD``), so that a step's freed activations stay in the heap for
     the next step instead of being faulted in afresh; see [Note: process memory]. Process-wide;
     False where glibc's ``mallopt`` is not there (the allocator then stays as it is)."""
-    mallopt = getattr(_libc(), "mallopt", None)
+    mallopt = _glibc("mallopt")
     if mallopt is None or mallopt(_M_MMAP_THRESHOLD, MMAP_CEILING) != 1:
         return False
     return mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and mallopt(_M_TOP_PAD, TRIM_THRESHOLD) == 1
@@ -185,7 +187,7 @@ def fix_heap_ceiling() -> bool:
 def trim_heap() -> None:
     """Collect cyclic garbage, then hand the heap's free pages back to the OS (glibc only)."""
     gc.collect()
-    trim = getattr(_libc(), "malloc_trim", None)
+    trim = _glibc("malloc_trim")
     if trim is not None:
         trim(0)
 
