@@ -218,3 +218,40 @@ def test_auto_without_a_timeout_takes_an_eighth_of_the_backward():
     other = BucketTuner(order, columns, 4, capacity_bytes=16 * 2**20, timeout_ms=None, auto=True)
     other.observe(1, fast)
     assert other.observe(2, fast).cuts == {1} and other.timeout_ms == 0.5
+
+
+def test_reused_buffers_and_missing_gradients_count_as_zero_in_a_scaled_write():
+    """[Note: scaled write]: a bucket's buffer is zeroed only in its holes (padding columns) when
+    taken, and in the ranges of parameters without a gradient when launched at the end; a
+    scaled write replaces whatever the target held. Buffers are reused from the step before,
+    full of its gradients, so a range left unzeroed would show here."""
+    shapes = ((3, 5), (7,), (4, 4), (6,), (5,))
+    layout = FlatLayout([(f"m{i}", [(f"m{i}.p{j}", (n,)) for j, n in enumerate(s)]) for i, s in enumerate(shapes)],
+                        3)  # units padded to a multiple of 3: padding columns in the buckets
+    assert layout.full_numel > sum(sum(s) for s in shapes)
+    target = torch.zeros(layout.full_numel)
+    reducer = GradBuckets(layout, SoloGroup(), target, mode=ReduceMode.ALL_REDUCE, bucket_bytes=40,
+                          dtype=torch.float32, unit_order=default_unit_order(layout))
+    assert len(reducer.buckets) > reducer.max_inflight and reducer.covers_target
+
+    def expected(grads, scale):
+        out = torch.zeros(layout.full_numel)
+        for name, g in grads.items():
+            slot = layout.slots[name]
+            start = layout.units[slot.unit].full_offset + slot.offset
+            out[start:start + slot.numel] = g * scale
+        return out
+
+    order = list(reversed(layout.param_names))
+    for step, (present, scale) in enumerate([(order, None), (order[1::2], 0.25), (order[::3], 0.5), ([], 2.0)]):
+        grads = {n: torch.randn(layout.slots[n].numel) + 10 for n in present}
+        if scale is None:
+            target.zero_()
+        else:
+            target.fill_(float("nan"))  # a scaled write does not read the target
+        reducer.begin_backward(accepting=True, write_scaled=scale)
+        for name in present:
+            reducer.add_grad(name, grads[name])
+        reducer.finish()
+        assert torch.equal(target, expected(grads, 1.0 if scale is None else scale)), step
+    assert reducer.pool_size < len(reducer.buckets)  # buffers were reused across buckets and steps

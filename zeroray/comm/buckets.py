@@ -28,6 +28,17 @@ In a negotiated stage-3 step (fetch/negotiate.py) over a backend without indepen
 (NCCL), ``hold_until_finish`` keeps every launch for ``finish``, after the agreement rounds, so the
 reductions never interleave with the rounds' gathers in one stream of collectives.
 
+[Note: scaled write]
+A bucket's buffer is not cleared as a whole when it is taken: only its holes (padding columns,
+which no gradient is copied into) are zeroed then, and, when it is launched at the end of
+backward, the ranges of the parameters that brought no gradient. Where the step reduces once
+(one micro-batch, or stages 0-1, which reduce on the last) and the pieces cover the target,
+the engine passes the step's scale (1 / (ranks x micro-batches x loss scale)) to
+``begin_backward`` and each reduced piece is written into the target as ``scale x sum``: no
+clearing of the target before the step, no add, no pass to scale it after. The bits are those
+of the add into a cleared target followed by the scaling (0 + x = x), but for the sign of a zero
+gradient. Steps that reduce several times (stages 2-3 accumulating) add as before.
+
 The plan itself (comm/bucket_plan.py) may end a bucket early, after a unit whose successor's
 gradients come too late: the flush timeout, planned from measured steps so that every rank
 cuts the same buckets ([Note: bucket timeout]); ``replan`` installs a new plan between steps.
@@ -87,6 +98,7 @@ class GradBuckets:
         self.pool_size = 0
         self._buf_numel = 0     # columns the pooled buffers were allocated for
         self._hold = False      # launches wait for finish: hold_until_finish
+        self._write_scaled: Optional[float] = None  # [Note: scaled write]
         self.accepting = True   # this backward's gradients go through the buckets (else autograd keeps them)
         self.wait = wait if wait is not None else _plain_wait
         self.last_timeline: Optional[Timeline] = None  # of the last finished backward
@@ -131,6 +143,8 @@ class GradBuckets:
         self._reset()
 
     def _copies(self) -> None:
+        self._dsts: List[Dict[str, List[Tuple[int, int]]]] = []  # per bucket: name -> its (dst, length)
+        self._holes: List[List[Tuple[int, int]]] = []  # per bucket: the input ranges no gradient is copied into
         for bucket in self.buckets:
             names = set()
             for piece in bucket.pieces:
@@ -147,13 +161,30 @@ class GradBuckets:
                                 _Copy(bucket.index, lo - slot.offset, hi - lo, dst))
                             names.add(name)
             bucket.num_params = len(names)
+        for bucket in self.buckets:
+            dsts: Dict[str, List[Tuple[int, int]]] = {}
+            for name, copies in self.copies.items():
+                for c in copies:
+                    if c.bucket == bucket.index:
+                        dsts.setdefault(name, []).append((c.dst, c.length))
+            self._dsts.append(dsts)
+            self._holes.append(_gaps(sorted(r for ranges in dsts.values() for r in ranges),
+                                     self.rows * bucket.row_numel))
+        # Whether the pieces cover every element of the target once: then a step's one reduction
+        # may write the target instead of adding into it ([Note: scaled write]).
+        covered = sum(p.b - p.a for b in self.buckets for p in b.pieces)
+        self.covers_target = covered == self.target.numel()
 
     # --- per step --------------------------------------------------------------------------
 
-    def begin_backward(self, accepting: bool) -> None:
+    def begin_backward(self, accepting: bool, write_scaled: Optional[float] = None) -> None:
         """Before a micro-batch: reduce its gradients (``accepting``) or leave them to autograd;
-        launch as buckets fill until a negotiated fetch says to hold them."""
-        self.accepting, self._hold = accepting, False
+        launch as buckets fill until a negotiated fetch says to hold them. ``write_scaled``: this
+        backward's reduction is the step's only one, and writes ``write_scaled`` times the sum
+        into the target instead of adding the sum to it ([Note: scaled write]; only where
+        ``covers_target``)."""
+        assert write_scaled is None or self.covers_target, "a scaled write needs pieces that cover the target"
+        self.accepting, self._hold, self._write_scaled = accepting, False, write_scaled
 
     def hold_until_finish(self) -> None:
         """Keep this backward's launches for ``finish`` (a negotiated stage-3 micro-batch without
@@ -188,8 +219,8 @@ class GradBuckets:
             out = inp[:self._buf_numel] if self.mode is ReduceMode.ALL_REDUCE else torch.empty(
                 self._out_numel(), dtype=self.dtype, device=self.target.device)
             self.pool_size += 1
-        rows = self.buckets[bucket].row_numel
-        inp[:self.rows * rows].zero_()  # padding columns carry no gradient
+        for lo, hi in self._holes[bucket]:  # padding columns carry no gradient; the rest is copied over
+            inp[lo:hi].zero_()
         self._bufs[bucket] = (inp, out)
         return inp, out
 
@@ -237,6 +268,11 @@ class GradBuckets:
         while self._next_launch < len(self.buckets) and (force or self._pending[self._next_launch] == 0):
             b = self._next_launch
             inp, out = self._acquire(b)
+            if self._pending[b]:  # launched at the end: a parameter with no gradient here counts as zero
+                for name, ranges in self._dsts[b].items():
+                    if (b, name) not in self._seen:
+                        for dst, length in ranges:
+                            inp[dst:dst + length].zero_()
             rows = self.buckets[b].row_numel
             if self.mode is ReduceMode.REDUCE_SCATTER:
                 handle = self.group.reduce_scatter(out[:rows], inp[:self.rows * rows], async_op=True,
@@ -264,11 +300,17 @@ class GradBuckets:
         self.wait(handle)
         self._stats["blocked_s"] += time.perf_counter() - t0
         inp, out = self._bufs.pop(b)
+        scale = self._write_scaled
         with torch.no_grad():
             for piece in self.buckets[b].pieces:
                 _, t_off = self._row(self.layout.units[piece.unit])
-                self.target[t_off + piece.a:t_off + piece.b].add_(
-                    out[piece.off:piece.off + piece.b - piece.a].to(self.target.dtype))
+                into, got = self.target[t_off + piece.a:t_off + piece.b], out[piece.off:piece.off + piece.b - piece.a]
+                if scale is None:
+                    into.add_(got.to(self.target.dtype))
+                elif got.dtype == into.dtype:
+                    torch.mul(got, scale, out=into)
+                else:  # in the target's dtype first, as the add would: the same bits
+                    into.copy_(got).mul_(scale)
         self._free.append((inp, out))
 
     def launch_all(self) -> None:
@@ -313,6 +355,18 @@ class GradBuckets:
 
     def _out_numel(self) -> int:
         return self._buf_numel + self.group.scratch_numel(self._buf_numel)
+
+
+def _gaps(ranges: List[Tuple[int, int]], end: int) -> List[Tuple[int, int]]:
+    """The parts of [0, end) that the sorted (start, length) ``ranges`` leave out."""
+    gaps, at = [], 0
+    for start, length in ranges:
+        if start > at:
+            gaps.append((at, start))
+        at = max(at, start + length)
+    if end > at:
+        gaps.append((at, end))
+    return gaps
 
 
 def _new_stats() -> dict:

@@ -138,18 +138,23 @@ class Engine:
         t0 = time.perf_counter()
         k = self.zero.grad_accum_steps
         self.group.counter.reset()
-        self.grad.zero_()
+        # One reduction this step, over pieces that cover the gradient: it writes the gradient,
+        # scaled, instead of adding into a cleared one ([Note: scaled write] in comm/buckets.py).
+        written = self.reducer.covers_target and (k == 1 or not self.policy.reduce_every_micro_batch)
+        if not written:
+            self.grad.zero_()
         self.optimizer.prefetch()
         self.grads.begin_step()
         self.coordinator.begin_step()
         scale = self.scaler.scale if self.scaler else 1.0
+        coef = 1.0 / (self.world_size * k * scale)  # the gradients are summed over ranks and micro-batches
         losses: List[torch.Tensor] = []
         failure: Optional[BaseException] = None
         done = 0
         try:
             micro = split_batch(to_device(batch, self.device), k, "worker's share of the batch (grad_accum_steps)")
             for i, mb in enumerate(micro):
-                self._micro_batch(i, mb, i == k - 1, scale, losses)
+                self._micro_batch(i, mb, i == k - 1, scale, losses, coef if written else None)
                 done = i + 1
         except CollectiveError:
             raise  # the group is broken: the runtime rebuilds it
@@ -158,8 +163,8 @@ class Engine:
             self._abort(done, k)
         sumsq = loss_sum = None
         if failure is None:
-            # Gradients were summed over ranks and micro-batches: average, and undo the loss scale.
-            self.grad.mul_(1.0 / (self.world_size * k * scale))
+            if not written:  # average over ranks and micro-batches, and undo the loss scale
+                self.grad.mul_(coef)
             sumsq = self.optimizer.local_sumsq()
             loss_sum = torch.stack([x.float() for x in losses]).sum()
         failed, norm, loss_value, unused = self._status(sumsq, loss_sum)
@@ -184,9 +189,10 @@ class Engine:
         return StepStats(loss_value, norm, self.step_count, skipped,
                          self.scaler.scale if self.scaler else None, time.perf_counter() - t0)
 
-    def _micro_batch(self, index: int, mb: Any, last: bool, scale: float, losses: List[torch.Tensor]) -> None:
+    def _micro_batch(self, index: int, mb: Any, last: bool, scale: float, losses: List[torch.Tensor],
+                     write_scaled: Optional[float]) -> None:
         reduce_now = self.policy.reduce_every_micro_batch or last
-        self.reducer.begin_backward(accepting=reduce_now)
+        self.reducer.begin_backward(accepting=reduce_now, write_scaled=write_scaled if reduce_now else None)
         self.units.expect_grads()
         self.coordinator.begin_micro_batch(index)
         self.activations.begin()
