@@ -59,6 +59,7 @@ import torch  # noqa: E402
 import gpt  # noqa: E402
 from tests.local_cluster import LocalCluster, wait_until  # noqa: E402
 from benchmarks.chaos_faults import ChaosStorage, fingerprint, gated_loss, latest_history  # noqa: E402
+from benchmarks.common import proc_stat  # noqa: E402
 
 KINDS = ("step-kill", "save-kill", "restore-kill", "node-loss", "hang", "resize")
 
@@ -116,8 +117,7 @@ class ChaosData:
 
 def _alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return proc_stat(pid).state != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
 

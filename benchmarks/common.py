@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -129,6 +129,26 @@ def current_rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """What /proc says of one process (or, with ``tid``, one of its threads)."""
+
+    name: str
+    state: str          # "R", "S", ... "Z" for a zombie
+    minor_faults: int
+    cpu_s: float        # user + system, every thread (or the one thread)
+
+
+def proc_stat(pid: int, tid: Optional[int] = None) -> ProcStat:
+    """/proc/<pid>/stat, or /proc/<pid>/task/<tid>/stat; FileNotFoundError once it is gone.
+    The name is cut at its last ")": a process may name itself with spaces and parentheses."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as f:
+        text = f.read()
+    name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+    return ProcStat(name, fields[0], int(fields[7]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
 
 
 class StepClock:

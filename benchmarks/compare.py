@@ -48,6 +48,8 @@ if BENCH_DIR not in sys.path:
 from common import ROOT, BenchSpec, add_import_paths, median  # noqa: E402
 
 ALL_ROWS = ("floor", "ddp", "fsdp2", "zr0", "zr1", "zr2", "zr3", "ds1", "ds2", "ds3")
+# --aa: torch DDP a second time, as a row of its own (see [Note: A/A row]).
+AA_ROW = "ddp2"
 BUCKET_SETTINGS = ("fixed", "timeout", "auto")
 DEFAULT_TIMEOUT_MS = 50.0
 # Multi-worker rows train on the same global batches and must report the same losses.
@@ -86,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="every row, torch and DeepSpeed peers included, alive at once and stepping in turns: "
                         "step i of every row, then step i+1, the order rotating by one row each step (see "
                         "[Note: interleaved rows])")
+    p.add_argument("--aa", action="store_true",
+                   help=f"add {AA_ROW}: torch DDP again as a row of its own; {AA_ROW}/ddp is the run's resolution "
+                        "(see [Note: A/A row])")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a torch/DeepSpeed row is killed")
     # Overrides for quick checks; the defaults are the benchmark.
     p.add_argument("--d-model", type=int, help=argparse.SUPPRESS)
@@ -101,6 +106,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"--only: unknown row(s) {unknown}; choose from {','.join(ALL_ROWS)}")
     args.rows = [r for r in ALL_ROWS if r in args.rows]  # always the canonical order
+    if args.aa:
+        if "ddp" not in args.rows:
+            p.error("--aa compares DDP with itself: keep ddp in --only")
+        args.rows.insert(args.rows.index("ddp") + 1, AA_ROW)
     buckets = [b.strip() for b in args.zr_buckets.split(",") if b.strip()]
     if not buckets or any(b not in BUCKET_SETTINGS for b in buckets):
         p.error(f"--zr-buckets: choose from {','.join(BUCKET_SETTINGS)}")
@@ -150,7 +159,7 @@ def run_peer(row: str, spec: BenchSpec, args) -> dict:
 
     if row == "floor":
         return summarise_ranks(peers.launch("floor", spec, nprocs=1, timeout_s=args.timeout))
-    if row in ("ddp", "fsdp2"):
+    if row in ("ddp", AA_ROW, "fsdp2"):
         return summarise_ranks(peers.launch(row, spec, nprocs=spec.num_workers, timeout_s=args.timeout))
     stage = int(row[2:])
     return summarise_ranks(peers.launch("ds", spec, nprocs=spec.num_workers, timeout_s=args.timeout,
@@ -334,10 +343,20 @@ def merge_rounds(rounds: list, spec: BenchSpec) -> dict:
     return records
 
 
+# [Note: A/A row]
+# With --aa, torch DDP runs twice in the same run, as two rows of their own (ddp, ddp2), built,
+# stepped and measured like every other row. They run the same code on the same batches, so
+# ddp2/ddp would be 1 on a steady machine; how far it lands from 1, pooled and per round, is how
+# finely the run can rank two rows at all. A target ratio closer to its limit than that is
+# decided by the machine's noise, not by the rows.
+RESOLUTION = ((AA_ROW, "ddp", None),)
+
+
 def target_ratios(rounds: list, records: dict, spec: BenchSpec) -> dict:
-    """Each target ratio over the pooled steps and per round, with whether it is met."""
+    """Each target ratio over the pooled steps and per round, with whether it is met; with
+    --aa, first the run's resolution (ddp2/ddp, [Note: A/A row])."""
     values, lines = {}, []
-    for row, peer, limit in TARGETS:
+    for row, peer, limit in RESOLUTION + TARGETS:
         if records.get(row, {}).get("status") != "ok" or records.get(peer, {}).get("status") != "ok":
             continue
         pooled = records[row]["step_s_median"] / records[peer]["step_s_median"]
@@ -345,6 +364,9 @@ def target_ratios(rounds: list, records: dict, spec: BenchSpec) -> dict:
                      for r in rounds if r.get(row, {}).get("status") == "ok" and r.get(peer, {}).get("status") == "ok"]
         values[f"{row}/{peer}"] = {"pooled": pooled, "per_round": per_round, "target": limit}
         rounds_text = f" (rounds: {', '.join(f'{x:.3f}' for x in per_round)})" if len(per_round) > 1 else ""
+        if limit is None:
+            lines.append(f"{row}/{peer} = {pooled:.3f}{rounds_text}: the same DDP twice, this run's resolution")
+            continue
         lines.append(f"{row}/{peer} = {pooled:.3f}{rounds_text}, target <= {limit:.2f}: "
                      f"{'met' if pooled <= limit else 'NOT met'}")
     return {"values": values, "lines": lines}

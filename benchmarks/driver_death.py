@@ -32,6 +32,7 @@ sys.path[:0] = [os.path.join(ROOT, "examples"), ROOT]
 import gpt  # noqa: E402
 from tests.local_cluster import LocalCluster, wait_until  # noqa: E402
 from benchmarks.chaos_faults import fingerprint, gated_loss  # noqa: E402
+from benchmarks.common import proc_stat  # noqa: E402
 
 CFG = gpt.GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2)
 EVERY = 2
@@ -72,8 +73,7 @@ def child(args) -> int:
 
 def _alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return proc_stat(pid).state != "Z"
     except FileNotFoundError:
         return False
 

@@ -47,6 +47,7 @@ import gpt  # noqa: E402
 import zeroray as zr  # noqa: E402
 from zeroray.comm.group import SoloGroup  # noqa: E402
 from zeroray.engine.engine import Engine  # noqa: E402
+from benchmarks.common import proc_stat  # noqa: E402
 
 HOPS = (("dispatch", "submit", "actor_start"), ("queue", "actor_start", "engine_start"),
         ("engine", "engine_start", "engine_end"), ("return", "engine_end", "receive"))
@@ -86,9 +87,7 @@ def time_engine(engine: Engine, batches, device: str) -> list:
 
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) a process on this machine has used so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return proc_stat(pid).cpu_s
 
 
 class CpuMeter:

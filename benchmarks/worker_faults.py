@@ -12,19 +12,17 @@ which zeroray the driver imported; the workers import the same (zr_run.py passes
 """
 import os, sys, time, statistics, json
 sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "benchmarks"))
-from common import BenchSpec, global_batches
+from common import BenchSpec, global_batches, proc_stat
 from zr_run import ZeroraySession
-CLK = os.sysconf("SC_CLK_TCK")
-def stat(path):
-    s = open(path).read(); f = s[s.rindex(")")+2:].split()
-    return s[s.index("(")+1:s.rindex(")")], int(f[7]), (int(f[11]) + int(f[12])) / CLK
 def snap(pid):
-    _, flt, cpu = stat(f"/proc/{pid}/stat")
+    whole = proc_stat(pid)
     th = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
-        try: th[tid] = stat(f"/proc/{pid}/task/{tid}/stat")
+        try:
+            t = proc_stat(pid, int(tid))
+            th[tid] = (t.name, t.minor_faults, t.cpu_s)
         except OSError: pass
-    return flt, cpu, th
+    return whole.minor_faults, whole.cpu_s, th
 rows = sys.argv[1].split(",")  # e.g. mha:0,gpt:0
 steps = int(os.environ.get("STEPS", "12"))
 s = ZeroraySession()
