@@ -279,6 +279,9 @@ def run_deepspeed(rank: int, world_size: int, port: int, spec: BenchSpec, extra:
         "fp16": {"enabled": False},
         "bf16": {"enabled": False},
         "zero_allow_untested_optimizer": True,
+        # DeepSpeed clips the gradient norm at 1.0 unless told otherwise; DDP, FSDP2 and zeroray
+        # (max_grad_norm=None) do not clip, so neither does this row: the same step, the same losses.
+        "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
