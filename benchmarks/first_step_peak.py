@@ -6,19 +6,14 @@ update costs more memory than the steps after it (benchmarks/README.md, "The fir
 """
 import argparse
 import functools
-import resource
 
 import torch
 
 import zeroray as zr
+from common import current_rss_bytes, peak_rss_bytes
 from examples import gpt
 from zeroray.comm.group import SoloGroup
 from zeroray.engine.engine import Engine
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 1e6
 
 
 def main() -> None:
@@ -33,11 +28,11 @@ def main() -> None:
     engine = Engine(functools.partial(gpt.GPT, cfg), gpt.gpt_loss, zr.AdamW(lr=1e-3),
                     zr.ZeroConfig(stage=args.stage), SoloGroup(), seed=0)
     x = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
-    print(f"stage {args.stage}, after construction: {rss_mb():.0f} MB")
+    print(f"stage {args.stage}, after construction: {current_rss_bytes() / 1e6:.0f} MB")
     for i in range(args.steps):
         engine.train_step((x[:, :-1], x[:, 1:]))
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # KiB on Linux
-        print(f"step {i + 1}: peak so far {peak:.0f} MB, now {rss_mb():.0f} MB", flush=True)
+        print(f"step {i + 1}: peak so far {peak_rss_bytes() / 1e6:.0f} MB, now {current_rss_bytes() / 1e6:.0f} MB",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -301,7 +301,7 @@ def run_deepspeed(rank: int, world_size: int, port: int, spec: BenchSpec, extra:
     return {**out, "base_rss_bytes": base_rss}
 
 
-_ROWS = {"ddp2": run_ddp, "floor": run_floor, "ddp": run_ddp, "fsdp2": run_fsdp2, "ds": run_deepspeed}
+_ROWS = {"floor": run_floor, "ddp": run_ddp, "ddp2": run_ddp, "fsdp2": run_fsdp2, "ds": run_deepspeed}
 
 
 def deepspeed_available() -> Optional[str]:

@@ -146,7 +146,7 @@ class GradBuckets:
         self._dsts: List[Dict[str, List[Tuple[int, int]]]] = []  # per bucket: name -> its (dst, length)
         self._holes: List[List[Tuple[int, int]]] = []  # per bucket: the input ranges no gradient is copied into
         for bucket in self.buckets:
-            names = set()
+            dsts: Dict[str, List[Tuple[int, int]]] = {}
             for piece in bucket.pieces:
                 unit = self.layout.units[piece.unit]
                 row_numel, _ = self._row(unit)
@@ -159,14 +159,8 @@ class GradBuckets:
                             dst = r * bucket.row_numel + piece.off + lo - r * row_numel - piece.a
                             self.copies.setdefault(name, []).append(
                                 _Copy(bucket.index, lo - slot.offset, hi - lo, dst))
-                            names.add(name)
-            bucket.num_params = len(names)
-        for bucket in self.buckets:
-            dsts: Dict[str, List[Tuple[int, int]]] = {}
-            for name, copies in self.copies.items():
-                for c in copies:
-                    if c.bucket == bucket.index:
-                        dsts.setdefault(name, []).append((c.dst, c.length))
+                            dsts.setdefault(name, []).append((dst, hi - lo))
+            bucket.num_params = len(dsts)
             self._dsts.append(dsts)
             self._holes.append(_gaps(sorted(r for ranges in dsts.values() for r in ranges),
                                      self.rows * bucket.row_numel))
