@@ -52,6 +52,7 @@ from zeroray.layout.arena import FlatLayout
 from zeroray.layout.local_shard import LocalShard
 from zeroray.layout.stage import StagePolicy
 from zeroray.memory.process import MappedBlocks, fix_heap_ceiling
+from zeroray.memory.unit_pool import UnitPool
 from zeroray.offload.master import DiskMaster
 from zeroray.offload.shard import DiskShard
 
@@ -235,12 +236,15 @@ def build_storage(policy: StagePolicy, layout: FlatLayout, named: Dict[str, torc
     init = None
     if policy.reshard_after_use or (policy.keeps_param_shard and not fp32):
         init = initial_shard(layout, named, kept, rank, device)
-    # Stage 3 on CPU: unit buffers off the heap ([Note: process memory] in memory/process.py).
+    # Stage 3 on CPU: unit buffers are the pool's mappings, off the heap ([Note: unit pool] in
+    # memory/unit_pool.py), and the heap is left as at stages 0-2 ([Note: process memory] in
+    # memory/process.py); a parameter shard on disk keeps its slices as mappings of their own.
     cpu = torch.device(device).type == "cpu"
-    mapped = MappedBlocks().mapped if policy.reshard_after_use and cpu else None
-    if cpu and not policy.reshard_after_use:  # stages 0-2: activations stay in the heap (the same note)
+    pool = UnitPool() if policy.reshard_after_use and cpu else None
+    mapped = MappedBlocks().mapped if pool is not None and master_on_disk else None
+    if cpu and mapped is None:
         fix_heap_ceiling()
-    units = Units(layout, dtype, device, persistent=not policy.reshard_after_use, mapped=mapped)
+    units = Units(layout, dtype, device, persistent=not policy.reshard_after_use, pool=pool)
     units.bind(named, copy_values=kept is None)
     if not policy.keeps_param_shard:
         return ReplicatedStorage(layout, units, rank, master_on_disk)

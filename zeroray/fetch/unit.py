@@ -10,7 +10,8 @@ the gather in flight into it, and the count of gradients still to come in backwa
 - Persistent units (stages 0-2, [Note: stage policy] in layout/stage.py): all full buffers are
   slices of one contiguous arena of ``layout.full_numel`` elements (M_D), allocated once.
 - Stage 3: each unit has its own buffer whose *storage* is freed (resized to 0 bytes) while
-  the unit is SHARDED and re-allocated in place before a gather.
+  the unit is SHARDED and re-allocated in place before a gather. On CPU its memory comes from
+  the engine's ``UnitPool`` instead, and goes back to it ([Note: unit pool] in memory/unit_pool.py).
 
 [Note: storage resize]
 Freeing by ``untyped_storage().resize_(0)`` rather than dropping the tensor keeps every
@@ -21,13 +22,13 @@ needs no re-binding. This is the technique of FSDP's ``_free_storage``/``_alloc_
 """
 from __future__ import annotations
 
-import contextlib
 import enum
-from typing import Callable, ContextManager, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from zeroray.layout.arena import FlatLayout, Unit
+from zeroray.memory.unit_pool import UnitPool
 
 
 class UnitState(enum.Enum):
@@ -56,18 +57,27 @@ class FlatUnit:
         self.handle = None          # the GatherHandle filling ``full`` while GATHERING
         self.grads_pending = 0      # parameters whose gradient backward has not produced yet
 
-    def alloc(self) -> torch.Tensor:
-        """Re-allocate the full buffer in place before a gather writes into it."""
+    def alloc(self, pool: Optional[UnitPool] = None) -> torch.Tensor:
+        """Re-allocate the full buffer in place before a gather writes into it (from ``pool``'s
+        mappings where given)."""
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(self.nbytes)
+            if pool is not None:
+                pool.fill(storage, self.nbytes)
+            else:
+                storage.resize_(self.nbytes)
         return self.full
 
-    def free(self) -> None:
-        """SHARDED: release the full buffer's memory; see [Note: storage resize]."""
+    def free(self, pool: Optional[UnitPool] = None) -> None:
+        """SHARDED: release the full buffer's memory (to ``pool``, where it came from); see
+        [Note: storage resize]."""
         assert not self.persistent and self.handle is None, (self.index, self.state)
-        if self.full.untyped_storage().nbytes():
-            self.full.untyped_storage().resize_(0)
+        storage = self.full.untyped_storage()
+        if storage.nbytes():
+            if pool is not None:
+                pool.take_back(storage)
+            else:
+                storage.resize_(0)
         self.state = UnitState.SHARDED
 
     def start_gather(self, handle) -> None:
@@ -81,11 +91,11 @@ class Units:
     """Every unit of the layout, and the binding of the model's parameters to their buffers."""
 
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, persistent: bool,
-                 mapped: Optional[Callable[[], ContextManager]] = None) -> None:
-        """``mapped``: the context a stage-3 buffer is allocated in (``MappedBlocks.mapped`` on
-        CPU: [Note: process memory] in memory/process.py)."""
+                 pool: Optional[UnitPool] = None) -> None:
+        """``pool``: where a stage-3 buffer's memory comes from between gathers (on CPU: [Note:
+        unit pool] in memory/unit_pool.py); without it, the device's allocator."""
         self.layout, self.dtype, self.device, self.persistent = layout, dtype, device, persistent
-        self._mapped = mapped or contextlib.nullcontext
+        self.pool = pool
         self.arena: Optional[torch.Tensor] = None  # 1D, full_numel (persistent units)
         self.units: List[FlatUnit] = []
         if persistent:
@@ -150,8 +160,7 @@ class Units:
     # --- stage 3: buffers that come and go ------------------------------------------------
 
     def alloc(self, index: int) -> torch.Tensor:
-        with self._mapped():
-            full = self.units[index].alloc()
+        full = self.units[index].alloc(self.pool)
         self._ptr_to_unit[full.untyped_storage().data_ptr()] = index
         return full
 
@@ -161,7 +170,7 @@ class Units:
         if unit.state is not UnitState.SHARDED:
             self.wait(index, waiter)  # never free memory a collective is still writing into
             self._ptr_to_unit.pop(unit.full.untyped_storage().data_ptr(), None)
-            unit.free()
+            unit.free(self.pool)
 
     def unit_at(self, data_ptr: int) -> Optional[int]:
         """The unit whose allocated full buffer starts at ``data_ptr`` (saved-tensor tagging)."""

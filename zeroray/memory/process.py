@@ -15,35 +15,27 @@ each one measured (``benchmarks/memory_rss.py``).
   so one arena serves every step. (Setting ``MALLOC_ARENA_MAX`` does the same, but only in
   the environment the process starts with; ``mallopt`` is too late once the pool's threads
   have their arenas.)
-- Stage 3's unit buffers straight from the OS. glibc serves an allocation above its mmap
-  threshold with a mapping of its own, returned to the OS when freed, and everything below it
-  from the heap, which keeps what is freed. The threshold starts at 128 KiB, but whenever a
-  mapped block larger than it is freed glibc raises it to that block's size (up to 32 MiB),
-  so after the first step the activations, gradients and stage-3 unit buffers below that size
-  all come from the heap, and the freed ones stay resident as holes between live blocks.
-  Activations do that at every stage, torch's own DDP and FSDP2 processes included, and reuse
-  the holes step after step. Stage 3's unit buffers, gathered and freed between the
-  activations several times a step, left more: its peak RSS stood a few hundred MB above the
-  bytes in use, and the saving against stage 0 fell to 85-89% of the formula. So at stage 3
-  the unit buffers are mapped (``MappedBlocks``: the threshold is lowered around their
-  allocation), and their memory goes back to the OS the moment a unit is freed; outside them
-  the threshold is fixed at ``HEAP_THRESHOLD``, so only the largest activations are mapped
-  too, and the rest reuse the heap's pages step after step as at stages 0-2. Fixing the threshold low
-  for the whole process did the same for memory but faulted every activation in afresh each
-  step (kernel-zeroed pages): 40% slower steps on a 3M-parameter model; ``ProcessMemory``
-  keeps that as an option (``mmap_threshold``), off by default.
+- Stage 3's unit buffers off the heap. They are mappings of the engine's own, kept between
+  gathers ([Note: unit pool] in memory/unit_pool.py), so the heap holds what it holds at stages
+  0-2 and stage 3 fixes the allocator as they do (``fix_heap_ceiling``, below). Before the pool,
+  ``MappedBlocks`` lowered glibc's mmap threshold around a unit's allocation (glibc maps a block
+  above its threshold, returned to the OS when freed) and fixed it at ``HEAP_THRESHOLD`` (8 MiB)
+  outside, with the trim threshold at ``TRIM_THRESHOLD``: left to glibc (whose threshold climbs
+  to 32 MiB with the blocks freed), unit buffers gathered and freed between the activations left
+  holes, and stage 3's peak stood a few hundred MB above the bytes in use. But glibc maps a block
+  only when the heap cannot serve it, so most unit buffers were still cut from the top of the
+  heap, and every activation of 8 MiB or more was a mapping faulted in afresh at each step
+  (benchmarks/README.md has both). ``MappedBlocks`` now serves only a stage-3 parameter shard on
+  disk, whose slices it maps (offload/shard.py). Fixing the threshold low for the whole process
+  did the same for memory but faulted every activation in afresh each step (kernel-zeroed
+  pages): 40% slower steps on a 3M-parameter model; ``ProcessMemory`` keeps that as an option
+  (``mmap_threshold``), off by default.
   Fixing the mmap threshold also stops glibc moving its *trim* threshold, which it otherwise
-  keeps at twice the mmap threshold it raised (so up to 64 MiB at stages 0-2): it stayed at its
-  initial 128 KiB, every free that left more than that free at the top of the heap handed those
-  pages back to the OS, and the next step faulted them in afresh, kernel-zeroed. The
-  activations a backward frees are such a top of the heap: on ``nn.MultiheadAttention`` and
-  ``transformers`` GPTs (benchmarks/bench_models.py) stage 3 faulted each step's activations in
-  again (benchmarks/README.md has what that cost: ``python benchmarks/heap_trim.py``). So
-  ``MappedBlocks`` fixes the trim threshold as well, at ``TRIM_THRESHOLD``: where glibc's own
-  rule tops out in the processes of stages 0-2 and of torch's DDP and FSDP2. A unit's buffer is
-  then served from that kept top of the heap where it fits (glibc maps a block only when the
-  heap cannot serve it), which the peaks measured at 101M parameters did not notice.
-- Stages 0-2 at glibc's own ceiling. Left to glibc, the two thresholds move with whatever
+  keeps at twice the mmap threshold it raised: it stayed at its initial 128 KiB, every free that
+  left more than that free at the top of the heap handed those pages back to the OS, and the
+  next step faulted them in afresh, kernel-zeroed. So ``MappedBlocks`` fixes the trim threshold
+  as well, at ``TRIM_THRESHOLD``.
+- Stages 0-3 at glibc's own ceiling. Left to glibc, the two thresholds move with whatever
   the process freed last: a Ray worker's allocations before the engine (Ray's, the import's)
   leave them anywhere up to the ceiling, and from there a step's freed activations may be
   handed back to the OS at the end of backward (above the trim threshold at the top of the
@@ -54,9 +46,9 @@ each one measured (``benchmarks/memory_rss.py``).
   main thread, faulted none. The compute thread's arena adds a way of its own: it is made of
   heaps of at most 64 MiB, and a heap that a step needed beyond the first is deleted whole when
   backward has freed it (glibc does that whatever the trim threshold, where the heap before it
-  has room for twice ``M_TOP_PAD``), to be mapped and faulted in again by the next step. So at
-  stages 0-2 on CPU the engine fixes the allocator where glibc's rule ends up on a model whose
-  blocks reach the ceiling (``fix_heap_ceiling``): the mmap threshold at ``MMAP_CEILING``
+  has room for twice ``M_TOP_PAD``), to be mapped and faulted in again by the next step. So on
+  CPU (every stage; a stage-3 shard on disk keeps ``MappedBlocks`` instead) the engine fixes
+  the allocator where glibc's rule ends up on a model whose blocks reach the ceiling (``fix_heap_ceiling``): the mmap threshold at ``MMAP_CEILING``
   (blocks below it reuse the heap's pages, as stages 0-2 and DDP do once the threshold has
   risen), the trim threshold at ``TRIM_THRESHOLD`` (twice that, as glibc's rule sets it), and
   the top pad at the same, which keeps a thread arena's heaps as the trim threshold keeps the
@@ -109,16 +101,17 @@ def reset_peak() -> bool:
 
 
 MMAP_THRESHOLD = 1 << 20  # bytes: smaller blocks (Python objects, small tensors) stay in the heap
-# Stage 3's threshold outside MappedBlocks.mapped(): blocks this large (the largest activations)
-# are mappings too. glibc's dynamic threshold climbs towards 32 MiB, its ceiling; fixed that
+# MappedBlocks' threshold outside mapped() (stage 3 with its parameter shard on disk): blocks this
+# large (the largest activations) are mappings too. glibc's dynamic threshold climbs towards 32 MiB, its ceiling; fixed that
 # high, stage 3 kept holes of the 8-32 MiB blocks it frees between unit gathers
 # (benchmarks/README.md, "Any model": the sizes tried and what each kept).
 HEAP_THRESHOLD = 8 << 20
 MAPPED_THRESHOLD = 128 << 10  # glibc's initial threshold: a unit's buffer smaller than this stays in the heap
-# Stage 3's heap trim threshold: twice glibc's 32 MiB ceiling of the mmap threshold, the most its
-# dynamic rule gives (see the note: without it fixing the mmap threshold left it at 128 KiB).
+# The heap's trim threshold once the mmap threshold is fixed: twice glibc's 32 MiB ceiling of the
+# mmap threshold, the most its dynamic rule gives (see the note: fixing the mmap threshold alone
+# left it at 128 KiB).
 TRIM_THRESHOLD = 64 << 20
-# Stages 0-2's mmap threshold (fix_heap_ceiling): glibc's ceiling of its dynamic one (DEFAULT_MMAP_THRESHOLD_MAX
+# The mmap threshold of every stage but a stage-3 shard on disk (fix_heap_ceiling): glibc's ceiling of its dynamic one (DEFAULT_MMAP_THRESHOLD_MAX
 # on 64-bit), where its rule ends up once a block that large was freed.
 MMAP_CEILING = 32 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter numbers (malloc.h)
@@ -144,7 +137,7 @@ def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
 
 
 class MappedBlocks:
-    """Stage 3's unit buffers as mappings of their own ([Note: process memory]): what is
+    """A stage-3 parameter shard on disk's slices as mappings of their own ([Note: process memory]): what is
     allocated inside ``mapped()`` goes back to the OS when freed; outside it, blocks under
     ``HEAP_THRESHOLD`` come from the heap. Process-wide, like the allocator it
     tunes; does nothing where glibc's ``mallopt`` is not there (then ``active`` is False)."""
@@ -174,7 +167,7 @@ class MappedBlocks:
 
 
 def fix_heap_ceiling() -> bool:
-    """Stages 0-2 on CPU: fix glibc's mmap and trim thresholds where its own rule tops out
+    """On CPU (every stage, but a stage-3 shard on disk): fix glibc's mmap and trim thresholds where its own rule tops out
     (``MMAP_CEILING``, ``TRIM_THRESHOLD``), so that a step's freed activations stay in the heap for
     the next step instead of being faulted in afresh; see [Note: process memory]. Process-wide;
     False where glibc's ``mallopt`` is not there (the allocator then stays as it is)."""

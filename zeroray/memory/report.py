@@ -20,8 +20,10 @@ peak RSS over its steps into what is known to be in it::
                       optimizer imports torch._dynamo), thread stacks, and allocator slack
 
 and apart from the step peak: ``construction_transient`` (construction's peak minus the RSS it
-left behind) and ``slack_at_rest`` (RSS after the steps minus the baseline and every live
-tensor, by a gc census: what the allocator holds that no tensor uses, plus later imports).
+left behind), ``unit_pool_idle`` (stage 3 on CPU: the unit mappings kept for the next step's
+gathers, [Note: unit pool] in memory/unit_pool.py) and ``slack_at_rest`` (RSS after the steps
+minus the baseline, every live tensor, by a gc census, and that idle pool: what the allocator
+holds that no tensor uses, plus later imports).
 The window and the activations peak at nearly the same moment (the start of backward), so
 their sum stands for the step's high point; ``other`` is what that leaves unexplained.
 """
@@ -86,6 +88,7 @@ def measure(engine, process: Optional[Dict[str, Optional[int]]] = None) -> Dict[
             "bucket_buffers": reduce_buffers + gather_buffers,
             "reduce_buffers": reduce_buffers, "gather_buffers": gather_buffers,
             "activations_peak": engine.activation_peak_bytes,
+            "unit_pool_idle": units.pool.idle_bytes if units.pool is not None else 0,
             "num_params": layout.numel, "padded_numel": layout.full_numel,
             **_cuda_stats(engine.device)}
     if process is not None:
@@ -109,7 +112,9 @@ def rss_breakdown(report: Dict[str, Any], process: Dict[str, Optional[int]]) -> 
             "construction_peak": built,
             "construction_transient": None if built is None or after is None else built - after,
             "rss_at_rest": rest,
-            "slack_at_rest": None if rest is None or base is None else rest - base - live_tensor_bytes(False),
+            "unit_pool_idle": report["unit_pool_idle"],
+            "slack_at_rest": None if rest is None or base is None else (
+                rest - base - live_tensor_bytes(False) - report["unit_pool_idle"]),
             "peak_rss": process["peak_rss_bytes"]}
 
 
