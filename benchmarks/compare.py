@@ -1,7 +1,7 @@
 """zeroray side by side with the compute floor, torch DDP, torch FSDP2 and DeepSpeed.
 
     python benchmarks/compare.py [--large] [--model gpt|mha|hf-gpt2] [--steps N] [--rounds R] [--workers 2]
-        [--only floor,ddp,fsdp2,zr0,zr1,zr2,zr3,ds1,ds2,ds3] [--json out.json] [--zr-prefetch on|off]
+        [--only floor,ddp,fsdp2,zr0,zr1,zr2,zr3,ds1,ds2,ds3 (+ eng0-eng3)] [--json out.json] [--zr-prefetch on|off]
         [--zr-buckets fixed,timeout,auto] [--zr-bucket-timeout-ms T] [--zr-bucket-timeout-ms-auto T]
         [--zr-interleave] [--interleave]
 
@@ -50,6 +50,11 @@ from common import ROOT, BenchSpec, add_import_paths, median  # noqa: E402
 ALL_ROWS = ("floor", "ddp", "fsdp2", "zr0", "zr1", "zr2", "zr3", "ds1", "ds2", "ds3")
 # --aa: torch DDP a second time, as a row of its own (see [Note: A/A row]).
 AA_ROW = "ddp2"
+# Opt-in rows (in --only, never by default): zeroray's Engine at stage N in plain spawned processes,
+# no Ray (peers.run_engine); zrN/engN is what Ray adds to a step ([Note: engine rows]).
+ENGINE_ROWS = ("eng0", "eng1", "eng2", "eng3")
+# The canonical order rows run and print in: each engine row beside its zeroray row.
+ROW_ORDER = ("floor", "ddp", "fsdp2", "zr0", "eng0", "zr1", "eng1", "zr2", "eng2", "zr3", "eng3", "ds1", "ds2", "ds3")
 BUCKET_SETTINGS = ("fixed", "timeout", "auto")
 DEFAULT_TIMEOUT_MS = 50.0
 # Multi-worker rows train on the same global batches and must report the same losses.
@@ -69,7 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1,
                    help="run every row this many times, one round after another (default 1)")
     p.add_argument("--workers", type=int, default=2, help="workers for every multi-worker row (default 2)")
-    p.add_argument("--only", default=",".join(ALL_ROWS), help="comma-separated rows, in any order")
+    p.add_argument("--only", default=",".join(ALL_ROWS),
+                   help="comma-separated rows, in any order; eng0-eng3 (zeroray's engine without Ray) only "
+                        "when named here")
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "compare.json"),
                    help="where to write the results (default benchmarks/results/compare.json)")
     p.add_argument("--zr-prefetch", choices=("on", "off"), default="on",
@@ -102,10 +109,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.rows = [r.strip() for r in args.only.split(",") if r.strip()]
-    unknown = [r for r in args.rows if r not in ALL_ROWS]
+    unknown = [r for r in args.rows if r not in ROW_ORDER]
     if unknown:
-        p.error(f"--only: unknown row(s) {unknown}; choose from {','.join(ALL_ROWS)}")
-    args.rows = [r for r in ALL_ROWS if r in args.rows]  # always the canonical order
+        p.error(f"--only: unknown row(s) {unknown}; choose from {','.join(ROW_ORDER)}")
+    args.rows = [r for r in ROW_ORDER if r in args.rows]  # always the canonical order
     if args.aa:
         if "ddp" not in args.rows:
             p.error("--aa compares DDP with itself: keep ddp in --only")
@@ -161,9 +168,18 @@ def run_peer(row: str, spec: BenchSpec, args) -> dict:
         return summarise_ranks(peers.launch("floor", spec, nprocs=1, timeout_s=args.timeout))
     if row in ("ddp", AA_ROW, "fsdp2"):
         return summarise_ranks(peers.launch(row, spec, nprocs=spec.num_workers, timeout_s=args.timeout))
-    stage = int(row[2:])
-    return summarise_ranks(peers.launch("ds", spec, nprocs=spec.num_workers, timeout_s=args.timeout,
+    kind, stage = peer_kind(row)
+    return summarise_ranks(peers.launch(kind, spec, nprocs=spec.num_workers, timeout_s=args.timeout,
                                         extra={"stage": stage}))
+
+
+def peer_kind(row: str) -> tuple:
+    """peers' row kind and the stage a staged peer row runs: ds2 -> ("ds", 2), eng3 -> ("eng", 3)."""
+    if row.startswith("ds"):
+        return "ds", int(row[2:])
+    if row.startswith("eng"):
+        return "eng", int(row[3:])
+    return row, None
 
 
 def bucket_config(row: str, args) -> dict:
@@ -283,9 +299,9 @@ def run_side_by_side(spec: BenchSpec, args) -> dict:
             if row in zr_rows:
                 continue
             nprocs = 1 if row == "floor" else spec.num_workers
-            extra = {"stage": int(row[2:])} if row.startswith("ds") else None
-            live[row] = peers.GatedRow("ds" if row.startswith("ds") else row, spec, nprocs=nprocs,
-                                       timeout_s=args.timeout, extra=extra)
+            kind, stage = peer_kind(row)
+            live[row] = peers.GatedRow(kind, spec, nprocs=nprocs, timeout_s=args.timeout,
+                                       extra=None if stage is None else {"stage": stage})
         log(f"[{','.join(rows)}] built side by side; stepping in turns ...")
         for i, batch in enumerate(global_batches(spec)):
             order = rows[i % len(rows):] + rows[:i % len(rows)]
@@ -351,12 +367,20 @@ def merge_rounds(rounds: list, spec: BenchSpec) -> dict:
 # decided by the machine's noise, not by the rows.
 RESOLUTION = ((AA_ROW, "ddp", None),)
 
+# [Note: engine rows]
+# An engN row runs the very engine a zrN row's Ray actors run (the same Engine, loss, optimizer
+# and gloo group) in plain spawned processes that each slice their own batch, as the torch peers
+# do. Stepped in the same interleaved run, zrN/engN is what running on Ray costs a step (the
+# driver's call and its reply, the batch's trip, the actor's own threads), and engN/ddp or
+# engN/fsdp2 is the engine's own distance from the peer.
+DISPATCH = tuple((f"zr{n}", f"eng{n}", None) for n in range(4)) + tuple(
+    (f"eng{n}", "ddp" if n < 3 else "fsdp2", None) for n in range(4))
 
 def target_ratios(rounds: list, records: dict, spec: BenchSpec) -> dict:
     """Each target ratio over the pooled steps and per round, with whether it is met; with
     --aa, first the run's resolution (ddp2/ddp, [Note: A/A row])."""
     values, lines = {}, []
-    for row, peer, limit in RESOLUTION + TARGETS:
+    for row, peer, limit in RESOLUTION + DISPATCH + TARGETS:
         if records.get(row, {}).get("status") != "ok" or records.get(peer, {}).get("status") != "ok":
             continue
         pooled = records[row]["step_s_median"] / records[peer]["step_s_median"]
@@ -365,7 +389,9 @@ def target_ratios(rounds: list, records: dict, spec: BenchSpec) -> dict:
         values[f"{row}/{peer}"] = {"pooled": pooled, "per_round": per_round, "target": limit}
         rounds_text = f" (rounds: {', '.join(f'{x:.3f}' for x in per_round)})" if len(per_round) > 1 else ""
         if limit is None:
-            lines.append(f"{row}/{peer} = {pooled:.3f}{rounds_text}: the same DDP twice, this run's resolution")
+            what = ("the same DDP twice, this run's resolution" if row == AA_ROW else
+                    "what Ray adds to the engine's step" if row.startswith("zr") else "the engine without Ray")
+            lines.append(f"{row}/{peer} = {pooled:.3f}{rounds_text}: {what}")
             continue
         lines.append(f"{row}/{peer} = {pooled:.3f}{rounds_text}, target <= {limit:.2f}: "
                      f"{'met' if pooled <= limit else 'NOT met'}")

@@ -182,7 +182,8 @@ def _train(model, optimizer, spec: BenchSpec, rank: int, *, step_fn: Optional[Ca
         if gate is not None:
             gate.recv()
         clock.start()
-        loss = step_fn(batch).detach().item()  # .item(): the step's work is done when we stop the clock
+        loss = step_fn(batch)
+        loss = loss.detach().item() if hasattr(loss, "detach") else float(loss)  # the step's work is done here
         clock.stop()
         if gate is not None:
             gate.send(loss)
@@ -301,7 +302,33 @@ def run_deepspeed(rank: int, world_size: int, port: int, spec: BenchSpec, extra:
     return {**out, "base_rss_bytes": base_rss}
 
 
-_ROWS = {"floor": run_floor, "ddp": run_ddp, "ddp2": run_ddp, "fsdp2": run_fsdp2, "ds": run_deepspeed}
+def run_engine(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict) -> dict:
+    """zeroray's own Engine at ZeRO ``extra['stage']``, in these plain processes: no Ray, no driver.
+
+    The same engine, loss, optimizer and collective group (gloo) a zr<N> row's Ray actors run,
+    stepped here the way the peers step torch. ``zr<N>/eng<N>`` in one run is what Ray adds to a
+    step: the driver's call, the batch's trip, the actor's threads."""
+    import zeroray as zr
+    from bench_models import lm_loss
+    from common import model_fn
+    from zeroray.comm.group import make_torch_group
+    from zeroray.engine.engine import Engine
+
+    group = make_torch_group("gloo", rank, world_size, "127.0.0.1", port)
+    base_rss = current_rss_bytes()
+    engine = Engine(model_fn(spec), lm_loss, zr.AdamW(lr=spec.lr, weight_decay=spec.weight_decay),
+                    zr.ZeroConfig(stage=extra["stage"]), group, seed=spec.seed)
+    try:
+        out = _train(None, None, spec, rank, step_fn=lambda batch: engine.train_step(batch).loss,
+                     gate=extra.get("gate"))
+    finally:
+        engine.close()
+        group.close()
+    return {**out, "base_rss_bytes": base_rss}
+
+
+_ROWS = {"floor": run_floor, "ddp": run_ddp, "ddp2": run_ddp, "fsdp2": run_fsdp2, "ds": run_deepspeed,
+         "eng": run_engine}
 
 
 def deepspeed_available() -> Optional[str]:
