@@ -42,18 +42,28 @@ def test_views_read_the_pool_memory_and_a_freed_mapping_is_reused():
     assert torch.equal(saved, torch.full((5, 4), 7.0)) and float(other.sum()) == sum(range(1000))
 
 
-def test_a_mapping_serves_only_its_own_size_and_release_drops_the_idle_ones():
+def test_the_pool_never_holds_more_than_its_peak_in_use():
+    """Units that all differ in size reuse nothing: the oldest idle mappings go back to the OS."""
     pool = UnitPool()
-    a, b = _freed(256), _freed(512)
+    a, b, c = _freed(256), _freed(512), _freed(384)
     pool.fill(a.untyped_storage(), 1024)
+    pool.fill(b.untyped_storage(), 2048)
+    assert pool.peak_bytes == 3072
     pool.take_back(a.untyped_storage())
     pool.take_back(a.untyped_storage())  # already freed: nothing to take
-    pool.fill(b.untyped_storage(), 2048)
-    assert pool.mapped_bytes == 3072 and pool.idle_bytes == 1024
+    pool.take_back(b.untyped_storage())
+    assert pool.idle_bytes == 3072 and pool.in_use_bytes == 0  # within the peak: both kept
+    # No idle mapping of c's size: a new one, and idle ones go back, oldest first, until the pool is
+    # within its peak again (a's alone is not enough).
+    pool.fill(c.untyped_storage(), 1536)
+    assert pool.mappings_made == 3 and pool.in_use_bytes == 1536 and pool.idle_bytes == 0
+    pool.fill(a.untyped_storage(), 1024)  # a's mapping went back: a new one
+    assert pool.mappings_made == 4 and pool.mapped_bytes == 2560 <= pool.peak_bytes
+    c.fill_(1.0)
+    assert float(c.sum()) == 384.0
+    pool.take_back(c.untyped_storage())
     pool.release()
-    assert pool.mapped_bytes == 2048 and pool.idle_bytes == 0
-    b.fill_(1.0)
-    assert float(b.sum()) == 512.0
+    assert pool.idle_bytes == 0 and pool.mapped_bytes == pool.in_use_bytes == 1024
 
 
 def _model() -> nn.Module:
@@ -66,7 +76,7 @@ def _loss(model, batch):
     return nn.functional.cross_entropy(model(x).reshape(-1, 64), y.reshape(-1))
 
 
-def test_stage3_on_cpu_maps_its_units_once_and_trains_as_single_process_torch():
+def test_stage3_on_cpu_stops_mapping_after_its_second_step_and_trains_as_single_process_torch():
     torch.manual_seed(0)
     batches = [(torch.randint(0, 64, (4, 9)), torch.randint(0, 64, (4, 9))) for _ in range(4)]
     engine = Engine(_model, _loss, zr.AdamW(lr=1e-2), zr.ZeroConfig(stage=3), SoloGroup(), seed=0)
@@ -74,15 +84,16 @@ def test_stage3_on_cpu_maps_its_units_once_and_trains_as_single_process_torch():
     reference = _model()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     pool = engine.units.pool
-    mapped = []
+    made = []
     for batch in batches:
         optimizer.zero_grad()
         expected = _loss(reference, batch)
         expected.backward()
         optimizer.step()
         assert abs(engine.train_step(batch).loss - expected.item()) < 1e-5
-        mapped.append(pool.mapped_bytes)
-    # Between steps every unit is freed into the pool; later steps' gathers reuse those mappings.
-    assert mapped[0] > 0 and mapped[1:] == mapped[:1] * 3, mapped
-    assert pool.idle_bytes == pool.mapped_bytes
+        made.append(pool.mappings_made)
+        # Between steps every unit is freed, and the pool holds no more than the most in use at once.
+        assert pool.in_use_bytes == 0 and 0 < pool.idle_bytes <= pool.peak_bytes
+    # The first step records the trace (no prefetch); from the second on the same mappings serve.
+    assert made[2:] == made[1:2] * 2, made
     assert measure(engine)["unit_pool_idle"] == pool.idle_bytes  # memory_report names what it keeps
