@@ -14,8 +14,9 @@ each, 150,000 faults and 15% of a stage-3 step (benchmarks/README.md has the fig
 
 So on CPU a stage-3 unit's memory is a mapping the pool makes itself (``mmap``), never part of
 the heap, and a freed unit's mapping is kept for the next gather of a unit of the same size
-instead of being handed back: gathers fault nothing after the first step, and the heap holds
-what it holds at stages 0-2 (activations, gradients, temporaries), under the same allocator
+instead of being handed back: once steps follow the prefetch trace (from the second step on), a
+model of equal blocks maps and faults nothing new in its gathers, and the heap holds what it holds
+at stages 0-2 (activations, gradients, temporaries), under the same allocator
 settings (``fix_heap_ceiling`` in memory/process.py). The pool never holds more, in units and
 idle together, than the most unit bytes ever in use at once (the gathered window the RSS
 breakdown already counts): past that it hands its oldest idle mappings back to the OS. So a
