@@ -50,10 +50,9 @@ from common import ROOT, BenchSpec, add_import_paths, median  # noqa: E402
 ALL_ROWS = ("floor", "ddp", "fsdp2", "zr0", "zr1", "zr2", "zr3", "ds1", "ds2", "ds3")
 # --aa: torch DDP a second time, as a row of its own (see [Note: A/A row]).
 AA_ROW = "ddp2"
-# Opt-in rows (in --only, never by default): zeroray's Engine at stage N in plain spawned processes,
-# no Ray (peers.run_engine); zrN/engN is what Ray adds to a step ([Note: engine rows]).
-ENGINE_ROWS = ("eng0", "eng1", "eng2", "eng3")
-# The canonical order rows run and print in: each engine row beside its zeroray row.
+# The canonical order rows run and print in. eng0-eng3 are opt-in (in --only, never by default):
+# zeroray's Engine at stage N in plain spawned processes, no Ray (peers.run_engine), each beside its
+# zeroray row; zrN/engN is what Ray adds to a step ([Note: engine rows]).
 ROW_ORDER = ("floor", "ddp", "fsdp2", "zr0", "eng0", "zr1", "eng1", "zr2", "eng2", "zr3", "eng3", "ds1", "ds2", "ds3")
 BUCKET_SETTINGS = ("fixed", "timeout", "auto")
 DEFAULT_TIMEOUT_MS = 50.0

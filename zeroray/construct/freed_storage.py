@@ -55,12 +55,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import mmap
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from zeroray.memory.unit_pool import anonymous_storage
 
 
 class CannotShard(Exception):
@@ -110,12 +111,10 @@ def _free(storage: torch.UntypedStorage, nbytes: int) -> None:
         # Zero pages: readable without resident memory, so that code reading around the
         # dispatcher (tensor printing, .numpy()) sees zeros instead of crashing on freed memory.
         try:
-            pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        except OSError:  # out of mappings (vm.max_map_count): free it the plain way
-            pages = None
-        if pages is not None:
-            storage._swap_data_ptr_(torch.frombuffer(pages, dtype=torch.uint8).untyped_storage())
+            storage._swap_data_ptr_(anonymous_storage(nbytes))
             return
+        except OSError:  # out of mappings (vm.max_map_count): free it the plain way
+            pass
     storage.resize_(0)
 
 

@@ -48,13 +48,13 @@ each one measured (``benchmarks/memory_rss.py``).
   backward has freed it (glibc does that whatever the trim threshold, where the heap before it
   has room for twice ``M_TOP_PAD``), to be mapped and faulted in again by the next step. So on
   CPU (every stage; a stage-3 shard on disk keeps ``MappedBlocks`` instead) the engine fixes
-  the allocator where glibc's rule ends up on a model whose blocks reach the ceiling (``fix_heap_ceiling``): the mmap threshold at ``MMAP_CEILING``
-  (blocks below it reuse the heap's pages, as stages 0-2 and DDP do once the threshold has
-  risen), the trim threshold at ``TRIM_THRESHOLD`` (twice that, as glibc's rule sets it), and
-  the top pad at the same, which keeps a thread arena's heaps as the trim threshold keeps the
-  main heap's top. Nothing is mapped that glibc's rule at its ceiling would keep in the heap,
-  and no more is kept at the top of a heap than that rule keeps. benchmarks/README.md has what
-  it measured.
+  the allocator where glibc's rule ends up on a model whose blocks reach the ceiling
+  (``fix_heap_ceiling``): the mmap threshold at ``MMAP_CEILING`` (blocks below it reuse the
+  heap's pages, as stages 0-2 and DDP do once the threshold has risen), the trim threshold at
+  ``TRIM_THRESHOLD`` (twice that, as glibc's rule sets it), and the top pad at the same, which
+  keeps a thread arena's heaps as the trim threshold keeps the main heap's top. Nothing is
+  mapped that glibc's rule at its ceiling would keep in the heap, and no more is kept at the top
+  of a heap than that rule keeps. benchmarks/README.md has what it measured.
 - A trim after construction: the construction transient freed to the heap (the model built
   whole before it is bound to the arena, the sharded build's scratch), and the cyclic garbage
   of a first-time import, is handed back to the OS with ``gc.collect()`` and
@@ -102,8 +102,8 @@ def reset_peak() -> bool:
 
 MMAP_THRESHOLD = 1 << 20  # bytes: smaller blocks (Python objects, small tensors) stay in the heap
 # MappedBlocks' threshold outside mapped() (stage 3 with its parameter shard on disk): blocks this
-# large (the largest activations) are mappings too. glibc's dynamic threshold climbs towards 32 MiB, its ceiling; fixed that
-# high, stage 3 kept holes of the 8-32 MiB blocks it frees between unit gathers
+# large (the largest activations) are mappings too. glibc's dynamic threshold climbs towards 32 MiB,
+# its ceiling; fixed that high, stage 3 kept holes of the 8-32 MiB blocks it frees between unit gathers
 # (benchmarks/README.md, "Any model": the sizes tried and what each kept).
 HEAP_THRESHOLD = 8 << 20
 MAPPED_THRESHOLD = 128 << 10  # glibc's initial threshold: a unit's buffer smaller than this stays in the heap
@@ -111,8 +111,9 @@ MAPPED_THRESHOLD = 128 << 10  # glibc's initial threshold: a unit's buffer small
 # mmap threshold, the most its dynamic rule gives (see the note: fixing the mmap threshold alone
 # left it at 128 KiB).
 TRIM_THRESHOLD = 64 << 20
-# The mmap threshold of every stage but a stage-3 shard on disk (fix_heap_ceiling): glibc's ceiling of its dynamic one (DEFAULT_MMAP_THRESHOLD_MAX
-# on 64-bit), where its rule ends up once a block that large was freed.
+# The mmap threshold of every stage but a stage-3 shard on disk (fix_heap_ceiling): glibc's ceiling
+# of its dynamic one (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), where its rule ends up once a block
+# that large was freed.
 MMAP_CEILING = 32 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter numbers (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -137,8 +138,8 @@ def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
 
 
 class MappedBlocks:
-    """A stage-3 parameter shard on disk's slices as mappings of their own ([Note: process memory]): what is
-    allocated inside ``mapped()`` goes back to the OS when freed; outside it, blocks under
+    """A stage-3 parameter shard on disk's slices as mappings of their own ([Note: process
+    memory]): what is allocated inside ``mapped()`` goes back to the OS when freed; outside it, blocks under
     ``HEAP_THRESHOLD`` come from the heap. Process-wide, like the allocator it
     tunes; does nothing where glibc's ``mallopt`` is not there (then ``active`` is False)."""
 
@@ -167,10 +168,10 @@ class MappedBlocks:
 
 
 def fix_heap_ceiling() -> bool:
-    """On CPU (every stage, but a stage-3 shard on disk): fix glibc's mmap and trim thresholds where its own rule tops out
-    (``MMAP_CEILING``, ``TRIM_THRESHOLD``), so that a step's freed activations stay in the heap for
-    the next step instead of being faulted in afresh; see [Note: process memory]. Process-wide;
-    False where glibc's ``mallopt`` is not there (the allocator then stays as it is)."""
+    """On CPU (every stage, but a stage-3 shard on disk): fix glibc's mmap and trim thresholds
+    where its own rule tops out (``MMAP_CEILING``, ``TRIM_THRESHOLD``), so that a step's freed
+    activations stay in the heap for the next step instead of being faulted in afresh; see [Note:
+    process memory]. Process-wide; False where glibc's ``mallopt`` is not there (the allocator then stays as it is)."""
     mallopt = _glibc("mallopt")
     if mallopt is None or mallopt(_M_MMAP_THRESHOLD, MMAP_CEILING) != 1:
         return False

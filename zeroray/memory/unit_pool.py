@@ -36,6 +36,14 @@ from typing import List, Tuple
 import torch
 
 
+def anonymous_storage(nbytes: int) -> torch.UntypedStorage:
+    """``nbytes`` of a private anonymous mapping of their own (zero pages, resident only once
+    written), as a storage that keeps the mapping alive: it goes when the last storage holding it
+    does. Raises OSError when the process is out of mappings (``vm.max_map_count``)."""
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8).untyped_storage()
+
+
 class UnitPool:
     """Mappings for stage 3's unit buffers, by size: ``fill`` gives a 0-byte storage its memory,
     ``take_back`` takes it out again and keeps it for the next ``fill`` of that size, as long as
@@ -62,8 +70,7 @@ class UnitPool:
                 self.idle_bytes -= nbytes
                 break
         else:
-            # The storage keeps the mmap object alive; the mapping goes when the last storage holding it does.
-            memory = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).untyped_storage()
+            memory = anonymous_storage(nbytes)
             self.mappings_made += 1
         storage._swap_data_ptr_(memory)  # ``memory`` is left with the 0-byte storage
         self.in_use_bytes += nbytes
