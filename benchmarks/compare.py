@@ -3,7 +3,7 @@
     python benchmarks/compare.py [--large] [--model gpt|mha|hf-gpt2] [--steps N] [--rounds R] [--workers 2]
         [--only floor,ddp,fsdp2,zr0,zr1,zr2,zr3,ds1,ds2,ds3 (+ eng0-eng3)] [--json out.json] [--zr-prefetch on|off]
         [--zr-buckets fixed,timeout,auto] [--zr-bucket-timeout-ms T] [--zr-bucket-timeout-ms-auto T]
-        [--zr-interleave] [--interleave]
+        [--zr-interleave] [--interleave [--turn-steps K]]
 
 Every row trains the same model (``--model``: examples/gpt.py's GPT, or one zeroray did not
 write, see bench_models.py) from the same initial weights on the same
@@ -29,6 +29,8 @@ that rows compared with each other see the same load (the rows are otherwise min
 ``--interleave`` does that for every row, the torch and DeepSpeed peers included: all rows
 alive at once, one step of each in turn, the order rotating each step ([Note: interleaved
 rows] in ``run_side_by_side``); with ``--rounds R`` each round builds the rows afresh.
+``--turn-steps K`` gives each row K steps a turn and times only the K-1 that follow its own
+step ([Note: turns of K steps]).
 """
 from __future__ import annotations
 
@@ -52,8 +54,10 @@ ALL_ROWS = ("floor", "ddp", "fsdp2", "zr0", "zr1", "zr2", "zr3", "ds1", "ds2", "
 AA_ROW = "ddp2"
 # The canonical order rows run and print in. eng0-eng3 are opt-in (in --only, never by default):
 # zeroray's Engine at stage N in plain spawned processes, no Ray (peers.run_engine), each beside its
-# zeroray row; zrN/engN is what Ray adds to a step ([Note: engine rows]).
-ROW_ORDER = ("floor", "ddp", "fsdp2", "zr0", "eng0", "zr1", "eng1", "zr2", "eng2", "zr3", "eng3", "ds1", "ds2", "ds3")
+# zeroray row; zrN/engN is what Ray adds to a step ([Note: engine rows]). So is apart: the floor in
+# every worker at once, no communication ([Note: stage 3's bound]).
+ROW_ORDER = ("floor", "apart", "ddp", "fsdp2", "zr0", "eng0", "zr1", "eng1", "zr2", "eng2", "zr3", "eng3",
+             "ds1", "ds2", "ds3")
 BUCKET_SETTINGS = ("fixed", "timeout", "auto")
 DEFAULT_TIMEOUT_MS = 50.0
 # Multi-worker rows train on the same global batches and must report the same losses.
@@ -74,8 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run every row this many times, one round after another (default 1)")
     p.add_argument("--workers", type=int, default=2, help="workers for every multi-worker row (default 2)")
     p.add_argument("--only", default=",".join(ALL_ROWS),
-                   help="comma-separated rows, in any order; eng0-eng3 (zeroray's engine without Ray) only "
-                        "when named here")
+                   help="comma-separated rows, in any order; eng0-eng3 (zeroray's engine without Ray) and "
+                        "apart (every worker's compute, no communication) only when named here")
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "compare.json"),
                    help="where to write the results (default benchmarks/results/compare.json)")
     p.add_argument("--zr-prefetch", choices=("on", "off"), default="on",
@@ -94,6 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="every row, torch and DeepSpeed peers included, alive at once and stepping in turns: "
                         "step i of every row, then step i+1, the order rotating by one row each step (see "
                         "[Note: interleaved rows])")
+    p.add_argument("--turn-steps", type=int, default=1,
+                   help="with --interleave: each row's turn is this many steps in a row, and the first step of "
+                        "every timed turn is left out of the timing (it re-warms what the other rows' turns "
+                        "cooled); see [Note: turns of K steps] (default 1: one step a turn, every step timed)")
     p.add_argument("--aa", action="store_true",
                    help=f"add {AA_ROW}: torch DDP again as a row of its own; {AA_ROW}/ddp is the run's resolution "
                         "(see [Note: A/A row])")
@@ -128,6 +136,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.turn_steps < 1 or (args.turn_steps > 1 and not args.interleave):
+        p.error("--turn-steps K: K >= 1, and K > 1 only with --interleave")
     return args
 
 
@@ -137,9 +147,13 @@ def make_spec(args: argparse.Namespace) -> BenchSpec:
     heads = args.heads or (heads if d_model % heads == 0 else 1)
     if d_model % heads:
         raise SystemExit(f"--d-model {d_model} is not divisible by --heads {heads}")
+    warmup, timed = args.warmup, args.steps
+    k = args.turn_steps
+    if k > 1:  # whole turns; each timed turn times k - 1 of its steps ([Note: turns of K steps])
+        warmup, timed = -(-warmup // k) * k, -(-timed // (k - 1)) * k
     return BenchSpec(d_model=d_model, n_layers=args.layers or layers, n_heads=heads, seq_len=args.seq_len,
                      batch_per_worker=args.batch, num_workers=args.workers, threads=args.threads,
-                     warmup_steps=args.warmup, timed_steps=args.steps, lr=args.lr, model=args.model)
+                     warmup_steps=warmup, timed_steps=timed, lr=args.lr, model=args.model)
 
 
 # --------------------------------------------------------------------------- rows
@@ -152,6 +166,8 @@ def summarise_ranks(ranks: list) -> dict:
     return {
         "step_s": step_s,
         "cpu_s_per_rank": [r.get("cpu_s") for r in ranks],
+        "idle_cpu_s_per_rank": [r.get("idle_cpu_s") for r in ranks],
+        "opt_s_per_rank": [r.get("opt_s") for r in ranks],
         "losses": losses,
         "rank_losses": [r["losses"] for r in ranks],
         "peak_rss_bytes": [r.get("peak_rss_bytes") for r in ranks],
@@ -165,7 +181,7 @@ def run_peer(row: str, spec: BenchSpec, args) -> dict:
 
     if row == "floor":
         return summarise_ranks(peers.launch("floor", spec, nprocs=1, timeout_s=args.timeout))
-    if row in ("ddp", AA_ROW, "fsdp2"):
+    if row in ("apart", "ddp", AA_ROW, "fsdp2"):
         return summarise_ranks(peers.launch(row, spec, nprocs=spec.num_workers, timeout_s=args.timeout))
     kind, stage = peer_kind(row)
     return summarise_ranks(peers.launch(kind, spec, nprocs=spec.num_workers, timeout_s=args.timeout,
@@ -270,6 +286,18 @@ def run_side_by_side(spec: BenchSpec, args) -> dict:
     the per-step ratios are taken at the same moment. What the rows share: Ray's idle daemons
     stay up through the torch rows' steps too (the zeroray rows need them), which costs the
     peers, not zeroray; peak RSS is still per process.
+
+    [Note: turns of K steps]
+    With one step a turn, every timed step follows other rows' steps: it runs on caches, an
+    allocator and sockets those rows have cooled, which back-to-back training never does, and a
+    row that suffers more from that reads slower than it trains. ``--turn-steps K`` gives each
+    row K steps a turn and leaves the first of every timed turn out of the timing, so each timed
+    step follows the row's own step, as in training, while turns stay seconds apart and drift
+    still slows every row alike. compare.py prints each row's turn-opening against its timed
+    median (``opener_lines``): what following the other rows cost that row. Each rank also
+    records the CPU its threads used while held (``idle_cpu_s``; for a zeroray row, its worker
+    processes' between steps): work a row leaves running past the end of its step would show
+    there, and would be done in the other rows' turns.
     """
     import peers
     from common import global_batches
@@ -301,23 +329,28 @@ def run_side_by_side(spec: BenchSpec, args) -> dict:
             kind, stage = peer_kind(row)
             live[row] = peers.GatedRow(kind, spec, nprocs=nprocs, timeout_s=args.timeout,
                                        extra=None if stage is None else {"stage": stage})
-        log(f"[{','.join(rows)}] built side by side; stepping in turns ...")
-        for i, batch in enumerate(global_batches(spec)):
-            order = rows[i % len(rows):] + rows[:i % len(rows)]
+        k = args.turn_steps
+        log(f"[{','.join(rows)}] built side by side; stepping in turns of {k} step(s) ...")
+        batches = list(global_batches(spec))
+        for turn, first in enumerate(range(0, len(batches), k)):
+            order = rows[turn % len(rows):] + rows[:turn % len(rows)]
             for row in order:
-                if row not in live:
-                    continue  # failed earlier
-                try:
-                    live[row].step(batch) if row in zr_rows else live[row].step()
-                except Exception as e:
-                    traceback.print_exc()
-                    records[row] = {"status": "failed", "error": str(e),
-                                    "note": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-                    live.pop(row).close()
+                for batch in batches[first:first + k]:
+                    if row not in live:
+                        break  # failed earlier
+                    try:
+                        live[row].step(batch) if row in zr_rows else live[row].step()
+                    except Exception as e:
+                        traceback.print_exc()
+                        records[row] = {"status": "failed", "error": str(e),
+                                        "note": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+                        live.pop(row).close()
         for row in rows:
             if row not in live:
                 continue
             rec = live[row].record() if row in zr_rows else summarise_ranks(live[row].finish())
+            if k > 1:
+                rec = drop_turn_openers(rec, spec.warmup_steps, k)
             rec.update(status="ok", wall_s=time.perf_counter() - t0, loadavg_1m=[load_before, os.getloadavg()[0]])
             records[row] = rec
             log(f"[{row}] median {median(rec['step_s'][spec.warmup_steps:]):.3f} s/step, "
@@ -328,6 +361,22 @@ def run_side_by_side(spec: BenchSpec, args) -> dict:
         if session is not None:
             session.close()
     return {r: records[r] for r in args.rows if r in records}
+
+
+def drop_turn_openers(rec: dict, warmup: int, k: int) -> dict:
+    """``rec`` with the first step of every timed turn of ``k`` steps left out of its per-step
+    lists (the full list stays as ``step_s_all``); warmup is whole turns ([Note: turns of K steps])."""
+    def kept(steps):
+        return None if steps is None else steps[:warmup] + [
+            s for i, s in enumerate(steps) if i >= warmup and (i - warmup) % k]
+
+    out = dict(rec, step_s_all=rec["step_s"], turn_steps=k, step_s=kept(rec["step_s"]))
+    if rec.get("comm_steps"):
+        out["comm_steps"] = kept(rec["comm_steps"])
+    for key in ("cpu_s_per_rank", "opt_s_per_rank"):
+        if rec.get(key):
+            out[key] = [kept(c) for c in rec[key]]
+    return out
 
 
 # --------------------------------------------------------------------------- derived numbers
@@ -375,10 +424,40 @@ RESOLUTION = ((AA_ROW, "ddp", None),)
 DISPATCH = tuple((f"zr{n}", f"eng{n}", None) for n in range(4)) + tuple(
     (f"eng{n}", "ddp" if n < 3 else "fsdp2", None) for n in range(4))
 
+# [Note: stage 3's bound]
+# What a stage-3 step could be at the least is its workers' compute with no communication at
+# all: the apart row (every worker's forward, backward and optimizer step, at the same moments
+# on the same cores: on a machine the workers fill, slower than the floor alone), less the part
+# of the optimizer step that sharding removes, (W - 1) / W of it. ``bound / fsdp2`` estimates
+# the least zr3/fsdp2 any stage 3 could read in that run, before its own bytes, copies and
+# waits. An estimate, not a proof: apart's ranks do not wait for each other, its step is the
+# slower rank's, and DDP has stepped a little faster than apart in some runs. Where FSDP2 runs
+# close to the floor (the --large models), the 0.85x target sits near it.
+def bound_lines(rounds: list, records: dict, spec: BenchSpec) -> tuple:
+    """({'bound/fsdp2': {pooled, per_round}}, [line]) when the run has apart and fsdp2."""
+    def parts(rec):  # the apart row's timed steps, and its slowest rank's optimizer time in each
+        opt = [max(ranks) for ranks in zip(*rec["opt_s_per_rank"])]
+        return rec["step_s"][spec.warmup_steps:], opt[spec.warmup_steps:]
+
+    def bound(recs):
+        steps, opt = ([x for rec in recs for x in parts(rec)[i]] for i in (0, 1))
+        return median(steps) - median(opt) * (spec.num_workers - 1) / spec.num_workers
+
+    ok = [r for r in rounds if all(r.get(k, {}).get("status") == "ok" for k in ("apart", "fsdp2"))]
+    if not ok or not all(r["apart"].get("opt_s_per_rank") and all(r["apart"]["opt_s_per_rank"]) for r in ok):
+        return {}, []
+    per_round = [bound([r["apart"]]) / median(r["fsdp2"]["step_s"][spec.warmup_steps:]) for r in ok]
+    pooled = bound([r["apart"] for r in ok]) / records["fsdp2"]["step_s_median"]
+    rounds_text = f" (rounds: {', '.join(f'{x:.3f}' for x in per_round)})" if len(per_round) > 1 else ""
+    return ({"bound/fsdp2": {"pooled": pooled, "per_round": per_round, "target": None}},
+            [f"bound/fsdp2 = {pooled:.3f}{rounds_text}: about the least zr3/fsdp2 could be, apart less "
+             f"{spec.num_workers - 1}/{spec.num_workers} of its optimizer step ([Note: stage 3's bound])"])
+
+
 def target_ratios(rounds: list, records: dict, spec: BenchSpec) -> dict:
     """Each target ratio over the pooled steps and per round, with whether it is met; with
     --aa, first the run's resolution (ddp2/ddp, [Note: A/A row])."""
-    values, lines = {}, []
+    values, lines = bound_lines(rounds, records, spec)
     for row, peer, limit in RESOLUTION + DISPATCH + TARGETS:
         if records.get(row, {}).get("status") != "ok" or records.get(peer, {}).get("status") != "ok":
             continue
@@ -451,6 +530,23 @@ def _last_report_key(rec: dict, key: str):
     return comm[0].get(key) if comm and isinstance(comm[0], dict) else None
 
 
+def opener_lines(rounds: list, spec: BenchSpec) -> list:
+    """With --turn-steps K > 1: each row's turn-opening steps (not timed) against its timed
+    ones, pooled over the rounds; how much a step right after other rows' turns costs each row
+    ([Note: turns of K steps]). Empty for K = 1."""
+    lines = []
+    for row in rounds[0]:
+        ok = [r[row] for r in rounds if r.get(row, {}).get("status") == "ok" and r[row].get("turn_steps", 1) > 1]
+        if not ok:
+            continue
+        k, w = ok[0]["turn_steps"], spec.warmup_steps
+        openers = [t for rec in ok for i, t in enumerate(rec["step_s_all"]) if i >= w and (i - w) % k == 0]
+        timed = [t for rec in ok for t in rec["step_s"][w:]]
+        lines.append(f"{row}: turn-opening step {median(openers):.3f} s, timed {median(timed):.3f} s, "
+                     f"opening/timed = {median(openers) / median(timed):.3f}")
+    return lines
+
+
 def bucket_lines(records: dict) -> list:
     """Where bucket_bytes="auto" settled: the size, the changes, after which step the last one."""
     lines = []
@@ -479,7 +575,7 @@ def check_losses(records: dict, spec: BenchSpec) -> list:
             warnings.append(f"{name}: loss did not decrease ({losses[0]:.4f} -> {losses[-1]:.4f})")
         if not all(math.isfinite(x) for x in losses):
             warnings.append(f"{name}: non-finite loss {fmt_losses(losses)}")
-    multi = [k for k in ok if k != "floor"]
+    multi = [k for k in ok if k not in ("floor", "apart")]  # apart's workers train copies of their own
     if multi:
         ref = "ddp" if "ddp" in multi else multi[0]
         for name in multi:
@@ -579,7 +675,7 @@ def main(argv=None) -> int:
     ratios = target_ratios(rounds, records, spec)
     for line in ratios["lines"]:
         print(line)
-    for line in bucket_lines(records):
+    for line in opener_lines(rounds, spec) + bucket_lines(records):
         print(line)
     skipped = [f"{k}: {r['note']}" for k, r in records.items() if r.get("status") == "skipped"]
     ds_skipped = [k for k, r in records.items() if r.get("status") == "skipped" and k.startswith("ds")]
@@ -597,6 +693,7 @@ def main(argv=None) -> int:
         "zr_bucket_timeout_ms_auto": args.zr_bucket_timeout_ms_auto,
         "zr_interleave": args.zr_interleave,
         "interleave": args.interleave,
+        "turn_steps": args.turn_steps,
         "environment": env,
         "rows": records,
         "rounds": args.rounds,

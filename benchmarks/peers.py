@@ -166,21 +166,27 @@ def _train(model, optimizer, spec: BenchSpec, rank: int, *, step_fn: Optional[Ca
     ``gate``: a pipe to the parent (GatedRow): wait for its word before each step, answer after."""
     from bench_models import lm_loss as gpt_loss
 
+    opt_s = []  # the optimizer's share of each plain step ([Note: stage 3's bound] in compare.py)
+
     def torch_step(batch):
         optimizer.zero_grad(set_to_none=True)
         loss = gpt_loss(model, batch)
         loss.backward()
+        t0 = time.perf_counter()
         optimizer.step()
+        opt_s.append(time.perf_counter() - t0)
         return loss
 
     step_fn = step_fn or torch_step
-    clock, losses, comm = StepClock(spec.warmup_steps), [], None
+    clock, losses, comm, idle_cpu = StepClock(spec.warmup_steps), [], None, []
     for batch in global_batches(spec):
         batch = worker_slice(batch, rank, spec)
         if counter is not None:
             counter.reset()
         if gate is not None:
+            idle_from = time.process_time()
             gate.recv()
+            idle_cpu.append(time.process_time() - idle_from)  # what this rank's threads did while held
         clock.start()
         loss = step_fn(batch)
         loss = loss.detach().item() if hasattr(loss, "detach") else float(loss)  # the step's work is done here
@@ -190,7 +196,8 @@ def _train(model, optimizer, spec: BenchSpec, rank: int, *, step_fn: Optional[Ca
         losses.append(loss)
         if counter is not None:
             comm = counter.report()  # the last step's, like zr.Trainer.comm_report()
-    return {"step_s": clock.times, "cpu_s": clock.cpu_times, "losses": losses, "peak_rss_bytes": peak_rss_bytes(), "comm": comm}
+    return {"step_s": clock.times, "cpu_s": clock.cpu_times, "losses": losses, "peak_rss_bytes": peak_rss_bytes(),
+            "comm": comm, "idle_cpu_s": idle_cpu or None, "opt_s": opt_s or None}
 
 
 def _init_group(rank: int, world_size: int, port: int) -> None:
@@ -210,6 +217,16 @@ def run_floor(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dic
     base_rss = current_rss_bytes()
     model = build_model(spec)
     out = _train(model, _adamw(model.parameters(), spec), spec, rank=0, gate=extra.get("gate"))
+    return {**out, "base_rss_bytes": base_rss}
+
+
+def run_apart(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict) -> dict:
+    """Every worker's compute and nothing else: W processes stepping at the same moments, each
+    training a copy of its own on its own slice, no communication (their losses part after
+    step 0). On a machine the workers fill, they compute slower than the floor alone."""
+    base_rss = current_rss_bytes()
+    model = build_model(spec)
+    out = _train(model, _adamw(model.parameters(), spec), spec, rank, gate=extra.get("gate"))
     return {**out, "base_rss_bytes": base_rss}
 
 
@@ -327,8 +344,8 @@ def run_engine(rank: int, world_size: int, port: int, spec: BenchSpec, extra: di
     return {**out, "base_rss_bytes": base_rss}
 
 
-_ROWS = {"floor": run_floor, "ddp": run_ddp, "ddp2": run_ddp, "fsdp2": run_fsdp2, "ds": run_deepspeed,
-         "eng": run_engine}
+_ROWS = {"floor": run_floor, "apart": run_apart, "ddp": run_ddp, "ddp2": run_ddp, "fsdp2": run_fsdp2,
+         "ds": run_deepspeed, "eng": run_engine}
 
 
 def deepspeed_available() -> Optional[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from common import BENCHMARKS, EXAMPLES, BenchSpec, StepClock, add_import_paths, global_batches, model_fn
+from common import BENCHMARKS, EXAMPLES, BenchSpec, StepClock, add_import_paths, global_batches, model_fn, proc_stat
 
 
 class ZeroraySession:
@@ -95,8 +95,21 @@ class _Run:
         self.trainer, self.clock, self.comm_every_step = trainer, clock, comm_every_step
         self.losses: List[float] = []
         self.comm_steps: List[Any] = []
+        # The workers' processes, to read the CPU they use between steps (peers._train's idle_cpu_s).
+        self.pids: List[int] = [w["pid"] for w in trainer.workers]
+        self.idle_cpu: List[List[float]] = []
+        self._cpu_at_stop: Optional[List[float]] = None
+
+    def _workers_cpu(self) -> Optional[List[float]]:
+        try:
+            return [proc_stat(pid).cpu_s for pid in self.pids]
+        except OSError:  # a worker on another node, or gone
+            return None
 
     def step(self, batch) -> None:
+        cpu = self._workers_cpu()
+        if cpu is not None and self._cpu_at_stop is not None:
+            self.idle_cpu.append([now - then for now, then in zip(cpu, self._cpu_at_stop)])
         self.clock.start()
         result = self.trainer.step(batch)
         loss = float(result.loss)
@@ -104,6 +117,7 @@ class _Run:
         self.losses.append(loss)
         if self.comm_every_step:  # outside the timed part
             self.comm_steps.append(_per_worker(_call(self.trainer, "comm_report")))
+        self._cpu_at_stop = self._workers_cpu()  # after the report: its work is not the step's
 
     def close(self) -> None:
         self.trainer.shutdown()
@@ -116,6 +130,7 @@ class _Run:
             "losses": self.losses,
             "comm": comm,
             "comm_steps": self.comm_steps or None,
+            "idle_cpu_s_per_rank": [list(w) for w in zip(*self.idle_cpu)] if self.idle_cpu else None,
             "peak_rss_bytes": [_num(m, "peak_rss_bytes") for m in memory] if memory else None,
             "memory_report": memory,
         }
