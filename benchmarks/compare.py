@@ -363,12 +363,16 @@ def run_side_by_side(spec: BenchSpec, args) -> dict:
     return {r: records[r] for r in args.rows if r in records}
 
 
+def opens_turn(i: int, warmup: int, k: int) -> bool:
+    """Whether step ``i`` is the first of a timed turn of ``k`` steps (warmup is whole turns)."""
+    return i >= warmup and (i - warmup) % k == 0
+
+
 def drop_turn_openers(rec: dict, warmup: int, k: int) -> dict:
     """``rec`` with the first step of every timed turn of ``k`` steps left out of its per-step
     lists (the full list stays as ``step_s_all``); warmup is whole turns ([Note: turns of K steps])."""
     def kept(steps):
-        return None if steps is None else steps[:warmup] + [
-            s for i, s in enumerate(steps) if i >= warmup and (i - warmup) % k]
+        return None if steps is None else [s for i, s in enumerate(steps) if not opens_turn(i, warmup, k)]
 
     out = dict(rec, step_s_all=rec["step_s"], turn_steps=k, step_s=kept(rec["step_s"]))
     if rec.get("comm_steps"):
@@ -435,12 +439,10 @@ DISPATCH = tuple((f"zr{n}", f"eng{n}", None) for n in range(4)) + tuple(
 # close to the floor (the --large models), the 0.85x target sits near it.
 def bound_lines(rounds: list, records: dict, spec: BenchSpec) -> tuple:
     """({'bound/fsdp2': {pooled, per_round}}, [line]) when the run has apart and fsdp2."""
-    def parts(rec):  # the apart row's timed steps, and its slowest rank's optimizer time in each
-        opt = [max(ranks) for ranks in zip(*rec["opt_s_per_rank"])]
-        return rec["step_s"][spec.warmup_steps:], opt[spec.warmup_steps:]
-
-    def bound(recs):
-        steps, opt = ([x for rec in recs for x in parts(rec)[i]] for i in (0, 1))
+    def bound(recs):  # apart's timed steps, less the share of its slowest rank's optimizer time
+        w = spec.warmup_steps
+        steps = [t for rec in recs for t in rec["step_s"][w:]]
+        opt = [max(ranks) for rec in recs for ranks in list(zip(*rec["opt_s_per_rank"]))[w:]]
         return median(steps) - median(opt) * (spec.num_workers - 1) / spec.num_workers
 
     ok = [r for r in rounds if all(r.get(k, {}).get("status") == "ok" for k in ("apart", "fsdp2"))]
@@ -540,7 +542,7 @@ def opener_lines(rounds: list, spec: BenchSpec) -> list:
         if not ok:
             continue
         k, w = ok[0]["turn_steps"], spec.warmup_steps
-        openers = [t for rec in ok for i, t in enumerate(rec["step_s_all"]) if i >= w and (i - w) % k == 0]
+        openers = [t for rec in ok for i, t in enumerate(rec["step_s_all"]) if opens_turn(i, w, k)]
         timed = [t for rec in ok for t in rec["step_s"][w:]]
         lines.append(f"{row}: turn-opening step {median(openers):.3f} s, timed {median(timed):.3f} s, "
                      f"opening/timed = {median(openers) / median(timed):.3f}")

@@ -212,14 +212,6 @@ def _adamw(params, spec: BenchSpec):
     return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
 
 
-def run_floor(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict) -> dict:
-    """One process, one worker's batch (rank 0's slice), no communication at all."""
-    base_rss = current_rss_bytes()
-    model = build_model(spec)
-    out = _train(model, _adamw(model.parameters(), spec), spec, rank=0, gate=extra.get("gate"))
-    return {**out, "base_rss_bytes": base_rss}
-
-
 def run_apart(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict) -> dict:
     """Every worker's compute and nothing else: W processes stepping at the same moments, each
     training a copy of its own on its own slice, no communication (their losses part after
@@ -228,6 +220,11 @@ def run_apart(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dic
     model = build_model(spec)
     out = _train(model, _adamw(model.parameters(), spec), spec, rank, gate=extra.get("gate"))
     return {**out, "base_rss_bytes": base_rss}
+
+
+def run_floor(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict) -> dict:
+    """One process, one worker's batch (rank 0's slice), no communication at all."""
+    return run_apart(0, world_size, port, spec, extra)
 
 
 def run_ddp(rank: int, world_size: int, port: int, spec: BenchSpec, extra: dict) -> dict:
