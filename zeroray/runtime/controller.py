@@ -71,7 +71,9 @@ class GroupSlot:
 
     def release(self) -> None:
         group, self.group = self.group, None
-        if group is not None:
+        # Ray down (its atexit hook ran): calling into it would start a new local Ray ([Note:
+        # releasing at exit] in trainer.py); the actors went with the cluster or with their owner.
+        if group is not None and ray.is_initialized():
             group.shutdown()
 
 

@@ -3,9 +3,24 @@
 It validates what the user passed, then hands every action to its ``Controller``
 (controller.py), the driver's state machine, which owns the worker group and the training
 state; ``fit`` runs in fit_loop.py on the same controller. See [Note: trainer states].
+
+[Note: releasing at exit]
+A Trainer that is not shut down releases its actors and placement group when it is garbage
+collected (a ``weakref.finalize``), and at interpreter exit, where the order matters: Ray
+registers ``ray.shutdown`` with ``atexit`` when ``ray`` is imported, and ``weakref.finalize``
+registers its own exit hook the first time any finalizer is made, which ``import torch``
+already does. atexit runs hooks last-registered first, so the finalizers ran *after*
+``ray.shutdown``, and ``ray.kill`` there (a ``client_mode_hook``) started a new local Ray to
+run in: its core worker was then torn down by the C++ static destructors while its I/O thread
+still ran, and about one exit in ten ended in a segmentation fault (exit code 139) instead of
+the user's error (tests/e2e/test_exit_on_error.py). So each Trainer also registers its
+finalizer with atexit itself, after Ray's hook, so that it runs first, while Ray is up; and a
+release finds Ray down, it only drops the handles (the actors and placement groups went with
+the cluster, or with the job's owner).
 """
 from __future__ import annotations
 
+import atexit
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
@@ -73,6 +88,7 @@ class Trainer:
         self.controller = Controller(spec, scaling, self.zero, spares=self.failure.spares)
         # Garbage collection of the Trainer releases its actors and placement group.
         self._finalizer = weakref.finalize(self, self.controller.slot.release)
+        atexit.register(self._finalizer)  # before ray.shutdown at exit: [Note: releasing at exit]
         self.restored_from: Optional[Any] = None  # the checkpoint directory Trainer.restore loaded
         self.skipped_checkpoints: List[Any] = []  # restore(fallback=True): SkippedCheckpoint(path, reason)s
         if _restore_from is not None:
@@ -135,6 +151,7 @@ class Trainer:
     def shutdown(self) -> None:
         """Release the actors and the placement group. Safe to call twice."""
         self.controller.close()
+        atexit.unregister(self._finalizer)
 
     def __enter__(self) -> "Trainer":
         return self
