@@ -11,26 +11,28 @@ import torch.multiprocessing as mp
 
 from zeroray.comm.group import make_torch_group
 from zeroray.comm.port import free_port
+from zeroray.comm.user_group import join_default_group, leave_default_group
 from zeroray.engine.batch import split_batch
 from zeroray.engine.engine import Engine
 from zeroray.memory.report import live_tensor_bytes, measure
-
 
 def _worker(rank, world, ports, specs_blob, out_dir):
     try:
         torch.set_num_threads(1)
         specs = cloudpickle.loads(specs_blob)
+        kept = []  # torch.distributed default groups destroyed: dropped at the rank's exit (see _run_rank)
         for index, (port, spec) in enumerate(zip(ports, specs)):
             spec_world = spec.get("world", world)  # a spec may use only the first ranks
             if rank < spec_world:
-                _run_one(rank, spec_world, port, spec, os.path.join(out_dir, f"spec{index}_rank{rank}.pt"))
+                _run_one(rank, spec_world, port, spec, os.path.join(out_dir, f"spec{index}_rank{rank}.pt"), kept)
     except BaseException:
         record_failure(rank, out_dir)
         raise
 
 
-def _run_one(rank, world, port, spec, out_file):
+def _run_one(rank, world, port, spec, out_file, kept):
     group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=120)
+    join_default_group(group, "gloo", 120)  # as the worker's setup does: torch.distributed for user code
     if spec.get("host_staged"):  # several ranks on one GPU: collectives staged through the host
         from tests.staged_group import HostStagedGroup
 
@@ -73,6 +75,7 @@ def _run_one(rank, world, port, spec, out_file):
                 "inspect": spec["inspect"](engine) if spec.get("inspect") else None},
                out_file)
     engine.close()
+    kept.append(leave_default_group())
     group.close()
 
 
