@@ -3,9 +3,10 @@
 [Note: buffers follow DDP]
 A buffer is not trained: each rank's forward updates its own (a BatchNorm's running mean and
 variance from its own rows, ``num_batches_tracked``), so without a rule the ranks' buffers
-drift apart. torch DDP's default (``broadcast_buffers=True``) is that rank 0's win: at a
-forward that follows a forward which synchronised gradients (and at the first), DDP broadcasts
-every buffer of the module (``named_buffers()``, persistent or not) from rank 0 before it runs.
+drift apart. torch DDP's default (``broadcast_buffers=True``, which torch 2.13 renames
+``forward_sync_buffers``) is that rank 0's win: at a forward that follows a forward which
+synchronised gradients (and at the first), DDP broadcasts every buffer of the module
+(``named_buffers()``, persistent or not) from rank 0 before it runs.
 So, checked against DDP over gloo in tests/dist/test_buffer_broadcast.py:
 
 - every rank starts each step's forward with rank 0's buffers; with gradient accumulation
