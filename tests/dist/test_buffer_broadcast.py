@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zeroray as zr
 from tests.batchnorm_models import class_loss, conv_bn, feature_batches, image_batches, mlp_bn
-from tests.dist.harness import record_failure, spawn_ranks
+from tests.dist.harness import gloo_world, load_ranks, spawn_ranks
 from zeroray.comm.group import make_torch_group
 from zeroray.comm.port import free_port
 from zeroray.comm.user_group import join_default_group, leave_default_group
@@ -53,51 +53,46 @@ def _buffers(model):
 # --- what DDP does -------------------------------------------------------------------------------
 
 def _ddp_facts_rank(rank, world, port, out_dir):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        torch.manual_seed(0)
-        model = conv_bn()
-        ddp = DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-        bn = model.features[1]
-        starts = []  # the running mean each forward of this BatchNorm starts from
-        bn.register_forward_pre_hook(lambda m, args: starts.append(m.running_mean.detach().clone()))
-        log = {"ends": []}  # this rank's running mean after each step / call
-        batches, evals = _data("conv")
-        for step, batch in enumerate(batches[:3]):
-            opt.zero_grad()
-            micro = split_batch(split_batch(batch, world)[rank], 2)
-            for m, mb in enumerate(micro):
-                with ddp.no_sync() if m == 0 else contextlib.nullcontext():
-                    (class_loss(ddp, mb) / 2).backward()
-            opt.step()
-            log["ends"].append(bn.running_mean.detach().clone())
-        ddp.eval()
-        with torch.no_grad():
-            for batch in evals:
-                class_loss(ddp, split_batch(batch, world)[rank])
-        ddp.train()
-        with torch.no_grad():
-            bn.running_mean.add_(float(rank + 1))  # an evaluation that changed the buffers
-        log["changed"] = bn.running_mean.detach().clone()
+    gloo_world(rank, world, port)
+    torch.manual_seed(0)
+    model = conv_bn()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    bn = model.features[1]
+    starts = []  # the running mean each forward of this BatchNorm starts from
+    bn.register_forward_pre_hook(lambda m, args: starts.append(m.running_mean.detach().clone()))
+    log = {"ends": []}  # this rank's running mean after each step / call
+    batches, evals = _data("conv")
+    for step, batch in enumerate(batches[:3]):
         opt.zero_grad()
-        class_loss(ddp, split_batch(batches[3], world)[rank]).backward()
+        micro = split_batch(split_batch(batch, world)[rank], 2)
+        for m, mb in enumerate(micro):
+            with ddp.no_sync() if m == 0 else contextlib.nullcontext():
+                (class_loss(ddp, mb) / 2).backward()
         opt.step()
-        opt.zero_grad()
-        class_loss(ddp, split_batch(batches[4], world)[rank]).backward()
-        log["starts"] = starts
-        torch.save({**log, "ddp": None}, os.path.join(out_dir, f"facts{rank}.pt"))
-        dist.destroy_process_group()
-    except BaseException:
-        record_failure(rank, out_dir)
-        raise
+        log["ends"].append(bn.running_mean.detach().clone())
+    ddp.eval()
+    with torch.no_grad():
+        for batch in evals:
+            class_loss(ddp, split_batch(batch, world)[rank])
+    ddp.train()
+    with torch.no_grad():
+        bn.running_mean.add_(float(rank + 1))  # an evaluation that changed the buffers
+    log["changed"] = bn.running_mean.detach().clone()
+    opt.zero_grad()
+    class_loss(ddp, split_batch(batches[3], world)[rank]).backward()
+    opt.step()
+    opt.zero_grad()
+    class_loss(ddp, split_batch(batches[4], world)[rank]).backward()
+    log["starts"] = starts
+    torch.save(log, os.path.join(out_dir, f"facts_rank{rank}.pt"))
+    dist.destroy_process_group()
 
 
 def test_what_torch_ddp_does_with_buffers():
     with tempfile.TemporaryDirectory() as out_dir:
         spawn_ranks(_ddp_facts_rank, WORLD, (WORLD, free_port()), out_dir, join_s=120)
-        ranks = [torch.load(os.path.join(out_dir, f"facts{r}.pt")) for r in range(WORLD)]
+        ranks = load_ranks(out_dir, "facts", WORLD)
     zero, one = ranks
     # Forwards: 3 steps x 2 micro-batches, 2 evaluation batches, 2 more training forwards.
     assert len(one["starts"]) == 3 * 2 + 2 + 2
@@ -131,84 +126,76 @@ def _train_and_evaluate(step, evaluate, batches, evals, rank):
 
 
 def _ddp_rank(rank, world, ports, out_dir):
-    try:
-        torch.set_num_threads(1)
-        for index, ((name, _, accum, broadcast), port) in enumerate(zip(CASES, ports)):
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-            torch.manual_seed(0)
-            model = MODELS[name][0]()
-            # broadcast_buffers, named forward_sync_buffers in torch 2.13 (the buffers are equal at init)
-            ddp = DistributedDataParallel(model, forward_sync_buffers=broadcast)
-            opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-            per_step = []
+    kept = []  # every case's DDP lives until the rank exits (harness._run_rank says why)
+    for index, ((name, _, accum, broadcast), port) in enumerate(zip(CASES, ports)):
+        gloo_world(rank, world, port)
+        torch.manual_seed(0)
+        model = MODELS[name][0]()
+        # broadcast_buffers, named forward_sync_buffers in torch 2.13 (the buffers are equal at init)
+        ddp = DistributedDataParallel(model, forward_sync_buffers=broadcast)
+        kept.append(ddp)
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+        per_step = []
 
-            def step(rows):
-                opt.zero_grad(set_to_none=True)
-                total = 0.0
-                for m, mb in enumerate(split_batch(rows, accum)):
-                    with ddp.no_sync() if m < accum - 1 else contextlib.nullcontext():
-                        loss = class_loss(ddp, mb)
-                        (loss / accum).backward()
-                    total += loss.item() / accum
-                opt.step()
-                per_step.append(_buffers(model))
-                return total
+        def step(rows):
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for m, mb in enumerate(split_batch(rows, accum)):
+                with ddp.no_sync() if m < accum - 1 else contextlib.nullcontext():
+                    loss = class_loss(ddp, mb)
+                    (loss / accum).backward()
+                total += loss.item() / accum
+            opt.step()
+            per_step.append(_buffers(model))
+            return total
 
-            def evaluate(rows):
-                ddp.eval()
-                with torch.no_grad():
-                    value = class_loss(ddp, rows).item()
-                ddp.train()
-                return value
-            batches, evals = _data(name)
-            losses, evaluations = _train_and_evaluate(step, evaluate, batches, evals, rank)
-            torch.save({"losses": losses, "buffers": per_step, "evals": evaluations,
-                        "params": {k: v.detach().clone() for k, v in model.named_parameters()}},
-                       os.path.join(out_dir, f"ddp{index}_rank{rank}.pt"))
-            dist.destroy_process_group()
-    except BaseException:
-        record_failure(rank, out_dir)
-        raise
+        def evaluate(rows):
+            ddp.eval()
+            with torch.no_grad():
+                value = class_loss(ddp, rows).item()
+            ddp.train()
+            return value
+        batches, evals = _data(name)
+        losses, evaluations = _train_and_evaluate(step, evaluate, batches, evals, rank)
+        torch.save({"losses": losses, "buffers": per_step, "evals": evaluations,
+                    "params": {k: v.detach().clone() for k, v in model.named_parameters()}},
+                   os.path.join(out_dir, f"ddp{index}_rank{rank}.pt"))
+        dist.destroy_process_group()
 
 
 def _zeroray_rank(rank, world, ports, out_dir):
-    try:
-        torch.set_num_threads(1)
-        kept = []
-        for index, ((name, stage, accum, broadcast), port) in enumerate(zip(CASES, ports)):
-            group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=120)
-            join_default_group(group, "gloo", 120)
-            zero = zr.ZeroConfig(stage=stage, grad_accum_steps=accum, broadcast_buffers=broadcast)
-            engine = Engine(MODELS[name][0], class_loss, zr.AdamW(**ADAMW), zero, group)
-            per_step = []
+    torch.set_num_threads(1)
+    kept = []
+    for index, ((name, stage, accum, broadcast), port) in enumerate(zip(CASES, ports)):
+        group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=120)
+        join_default_group(group, "gloo", 120)
+        zero = zr.ZeroConfig(stage=stage, grad_accum_steps=accum, broadcast_buffers=broadcast)
+        engine = Engine(MODELS[name][0], class_loss, zr.AdamW(**ADAMW), zero, group)
+        per_step = []
 
-            def step(rows):
-                loss = engine.train_step(rows).loss
-                per_step.append(_buffers(engine.model))
-                return loss
-            batches, evals = _data(name)
-            losses, evaluations = _train_and_evaluate(step, lambda rows: engine.evaluate(rows)["loss"], batches,
-                                                      evals, rank)
-            pieces = {n: engine.master_piece(n) for n in engine.layout.param_names}
-            torch.save({"losses": losses, "buffers": per_step, "evals": evaluations, "pieces": pieces,
-                        "broadcasts": engine.group.counter.collectives.get("broadcast")},
-                       os.path.join(out_dir, f"zr{index}_rank{rank}.pt"))
-            engine.close()
-            kept.append(leave_default_group())
-            group.close()
-    except BaseException:
-        record_failure(rank, out_dir)
-        raise
+        def step(rows):
+            loss = engine.train_step(rows).loss
+            per_step.append(_buffers(engine.model))
+            return loss
+        batches, evals = _data(name)
+        losses, evaluations = _train_and_evaluate(step, lambda rows: engine.evaluate(rows)["loss"], batches,
+                                                  evals, rank)
+        pieces = {n: engine.master_piece(n) for n in engine.layout.param_names}
+        torch.save({"losses": losses, "buffers": per_step, "evals": evaluations, "pieces": pieces,
+                    "broadcasts": engine.group.counter.collectives.get("broadcast")},
+                   os.path.join(out_dir, f"zr{index}_rank{rank}.pt"))
+        engine.close()
+        kept.append(leave_default_group())
+        group.close()
 
 
 @pytest.fixture(scope="module")
 def runs():
+    """Per case: (zeroray's ranks, DDP's ranks)."""
     with tempfile.TemporaryDirectory() as out_dir:
         spawn_ranks(_ddp_rank, WORLD, (WORLD, [free_port() for _ in CASES]), out_dir, join_s=300)
         spawn_ranks(_zeroray_rank, WORLD, (WORLD, [free_port() for _ in CASES]), out_dir, join_s=600)
-        load = lambda kind, i: [torch.load(os.path.join(out_dir, f"{kind}{i}_rank{r}.pt"), weights_only=False)  # noqa: E731
-                                for r in range(WORLD)]
-        return [(load("zr", i), load("ddp", i)) for i in range(len(CASES))]
+        return [(load_ranks(out_dir, f"zr{i}", WORLD), load_ranks(out_dir, f"ddp{i}", WORLD)) for i in range(len(CASES))]
 
 
 def _full(pieces_per_rank, name):

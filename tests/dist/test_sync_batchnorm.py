@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 import zeroray as zr
 from tests.batchnorm_models import (class_loss, conv_bn, feature_batches, image_batches, mlp_bn, sync_conv_bn,
                                     sync_mlp_bn, with_gather_batchnorm)
-from tests.dist.harness import record_failure, run_engine_table, spawn_ranks
+from tests.dist.harness import gloo_world, load_ranks, run_engine_table, spawn_ranks
 from tests.dist.test_engine_parity import assert_parity, global_losses
 from tests.models import reference_run
 from zeroray.comm.port import free_port
@@ -170,36 +170,30 @@ def test_sync_batchnorm_equals_single_process_batchnorm_on_the_global_batch(runs
 
 
 def _ddp_rank(rank, world, port, cases, out_dir):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        kept = []  # alive until the rank exits (harness._run_rank)
-        for name, plain_fn, batches in cases:
-            torch.manual_seed(0)
-            model = with_gather_batchnorm(plain_fn())
-            ddp = DistributedDataParallel(model)
-            kept.append(ddp)
-            opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-            losses = []
-            for batch in batches:
-                opt.zero_grad(set_to_none=True)
-                loss = class_loss(ddp, split_batch(batch, world)[rank])
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-            torch.save({"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}},
-                       os.path.join(out_dir, f"{name}_rank{rank}.pt"))
-    except BaseException:
-        record_failure(rank, out_dir)
-        raise
+    gloo_world(rank, world, port)
+    kept = []  # alive until the rank exits (harness._run_rank)
+    for name, plain_fn, batches in cases:
+        torch.manual_seed(0)
+        model = with_gather_batchnorm(plain_fn())
+        ddp = DistributedDataParallel(model)
+        kept.append(ddp)
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+        losses = []
+        for batch in batches:
+            opt.zero_grad(set_to_none=True)
+            loss = class_loss(ddp, split_batch(batch, world)[rank])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        torch.save({"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}},
+                   os.path.join(out_dir, f"{name}_rank{rank}.pt"))
 
 
 def ddp_runs(world):
     cases = [(name, plain_fn, batches) for name, (plain_fn, _, batches) in MODELS.items()]
     with tempfile.TemporaryDirectory() as out_dir:
         spawn_ranks(_ddp_rank, world, (world, free_port(), cases), out_dir, join_s=300)
-        return {name: [torch.load(os.path.join(out_dir, f"{name}_rank{r}.pt")) for r in range(world)]
-                for name in MODELS}
+        return {name: load_ranks(out_dir, name, world) for name in MODELS}
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -232,30 +226,25 @@ def test_equals_torch_ddp_with_a_synchronised_batchnorm(runs, references, world)
 
 
 def _refusal_rank(rank, world, port, out_dir):
+    gloo_world(rank, world, port)
+    torch.manual_seed(0)
+    model = sync_conv_bn()
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        torch.manual_seed(0)
-        model = sync_conv_bn()
-        try:
-            DistributedDataParallel(model)
-            wrapped = "wrapped"
-        except ValueError as e:
-            wrapped = str(e)
-        x = image_batches(1)[0][0][:4]
-        try:
-            model(x)
-            trained = "ran"
-        except ValueError as e:
-            trained = str(e)
-        model.eval()
-        with torch.no_grad():
-            evaluated = model(x).shape  # eval mode does not synchronise: it runs
-        torch.save({"wrapped": wrapped, "trained": trained, "evaluated": tuple(evaluated)},
-                   os.path.join(out_dir, f"r{rank}.pt"))
-    except BaseException:
-        record_failure(rank, out_dir)
-        raise
+        DistributedDataParallel(model)
+        wrapped = "wrapped"
+    except ValueError as e:
+        wrapped = str(e)
+    x = image_batches(1)[0][0][:4]
+    try:
+        model(x)
+        trained = "ran"
+    except ValueError as e:
+        trained = str(e)
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(x).shape  # eval mode does not synchronise: it runs
+    torch.save({"wrapped": wrapped, "trained": trained, "evaluated": tuple(evaluated)},
+               os.path.join(out_dir, f"refusal_rank{rank}.pt"))
 
 
 def test_torch_refuses_sync_batchnorm_on_cpu():
@@ -265,7 +254,7 @@ def test_torch_refuses_sync_batchnorm_on_cpu():
     BatchNorm, which is what it did on zeroray's workers before they had a default group."""
     with tempfile.TemporaryDirectory() as out_dir:
         spawn_ranks(_refusal_rank, 2, (2, free_port()), out_dir, join_s=120)
-        seen = [torch.load(os.path.join(out_dir, f"r{r}.pt"), weights_only=False) for r in range(2)]
+        seen = load_ranks(out_dir, "refusal", 2)
     for r in seen:
         assert "SyncBatchNorm layers only work with GPU modules" in r["wrapped"], r["wrapped"]
         assert "expected input tensor to be on GPU" in r["trained"], r["trained"]
