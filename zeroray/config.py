@@ -80,6 +80,12 @@ class ZeroConfig:
         normalisation layers with running statistics (BatchNorm, InstanceNorm with
         track_running_stats) and the modules a Hugging Face model keeps in fp32 keep their
         buffers in fp32 and compute in fp32. See [Note: mixed precision] in zeroray/engine/precision.py.
+    broadcast_buffers: True (default, torch DDP's default): every worker starts each step, each
+        ``evaluate`` call and each ``run`` call with rank 0's buffers (BatchNorm running
+        statistics), one broadcast per call for a model with buffers. False: each worker keeps
+        its own, updated by its own rows (DDP's ``broadcast_buffers=False``); checkpoints, and so
+        restore, resize and recovery, hold rank 0's either way. See [Note: buffers follow DDP]
+        in zeroray/engine/buffer_sync.py.
     offload: where the optimizer state lives between steps ([Note: disk offload] in
         zeroray/offload/stepper.py). None (default): in memory, beside the parameters. "disk": in
         files under ``offload_dir``, one per state tensor (Adam's exp_avg and exp_avg_sq) over this
@@ -128,6 +134,7 @@ class ZeroConfig:
     collective_timeout_s: float = 300.0
     wrap: Any = "auto"
     cast_buffers: Optional[bool] = None
+    broadcast_buffers: bool = True
     offload: Optional[str] = None
     offload_dir: Optional[str] = None
     offload_chunk_bytes: int = 16 * 2**20
@@ -153,7 +160,7 @@ class ZeroConfig:
                 continue  # sized from the model when the engine is built
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 _fail(c, name, value, "it must be a positive number of bytes (an int > 0) or None (sized from the model)")
-        for name in ("prefetch", "offload_activations", "sharded_init"):
+        for name in ("prefetch", "offload_activations", "sharded_init", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "it must be True or False")
         if self.cast_buffers is not None and not isinstance(self.cast_buffers, bool):

@@ -10,14 +10,14 @@ padding, a BatchNorm or data-dependent routing it is not, and the part's is what
 Gradients are those of that mean; a parameter no part used keeps ``.grad = None`` and
 AdamW skips it (PyTorch's and DDP's rule). Clipping by the global norm of all gradients.
 
-Buffers are per worker: each worker's forward updates its own (BatchNorm running
-statistics), so the oracle keeps one buffer state per worker, runs each worker's parts
-with that worker's state, and reports worker 0's (what zeroray's rank 0 holds, and what DDP
-broadcasts from rank 0).
+Buffers are per worker within a step: each worker's forward updates its own (BatchNorm
+running statistics), so the oracle keeps one buffer state per worker, runs each worker's parts
+with that worker's state, and reports worker 0's. Every worker starts each step from worker 0's
+buffers, as under DDP's default ``broadcast_buffers`` and zeroray's (tests/dist/test_buffer_broadcast.py).
 
 Evaluation (``case.evaluate``): after training, each worker's share of the eval batch goes
-through ``loss_fn`` and ``fuzz_logits`` in eval mode under ``torch.no_grad()`` (a BatchNorm
-then uses that worker's running statistics; DDP does not broadcast buffers without grad).
+through ``loss_fn`` and ``fuzz_logits`` in eval mode under ``torch.no_grad()``, with worker 0's
+buffers (DDP broadcasts them before an evaluation forward that follows a step).
 """
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def reference_run(case: Case) -> Reference:
         opt.zero_grad(set_to_none=True)
         parts = split_batch(batch, world * accum)
         total = 0.0
+        buffers = [buffers[0]] * world  # rank 0's at the start of the step
         for rank in range(world):
             _load_buffers(model, buffers[rank])
             for micro in range(accum):
@@ -81,13 +82,13 @@ def reference_run(case: Case) -> Reference:
 
 
 def _evaluate(case: Case, model: torch.nn.Module, buffers: List[Dict[str, torch.Tensor]], out: Reference) -> None:
-    """Each worker's share of the eval batch, in eval mode without gradients, with its own buffers."""
+    """Each worker's share of the eval batch, in eval mode without gradients, with worker 0's buffers."""
     world = case.config.world
     loss_fn, logits_fn = case.loss_fn(), case.logits_fn()
     model.eval()
     with torch.no_grad():
-        for rank, share in enumerate(split_batch(case.eval_batch, world)):
-            _load_buffers(model, buffers[rank])
+        for share in split_batch(case.eval_batch, world):
+            _load_buffers(model, buffers[0])
             out.eval_losses.append(loss_fn(model, share).item())
             out.eval_outputs.append(logits_fn(model, share).detach().clone())
     model.train()

@@ -11,26 +11,28 @@ import torch.multiprocessing as mp
 
 from zeroray.comm.group import make_torch_group
 from zeroray.comm.port import free_port
+from zeroray.comm.user_group import join_default_group, leave_default_group
 from zeroray.engine.batch import split_batch
 from zeroray.engine.engine import Engine
 from zeroray.memory.report import live_tensor_bytes, measure
-
 
 def _worker(rank, world, ports, specs_blob, out_dir):
     try:
         torch.set_num_threads(1)
         specs = cloudpickle.loads(specs_blob)
+        kept = []  # torch.distributed default groups destroyed: dropped at the rank's exit (see _run_rank)
         for index, (port, spec) in enumerate(zip(ports, specs)):
             spec_world = spec.get("world", world)  # a spec may use only the first ranks
             if rank < spec_world:
-                _run_one(rank, spec_world, port, spec, os.path.join(out_dir, f"spec{index}_rank{rank}.pt"))
+                _run_one(rank, spec_world, port, spec, os.path.join(out_dir, f"spec{index}_rank{rank}.pt"), kept)
     except BaseException:
         record_failure(rank, out_dir)
         raise
 
 
-def _run_one(rank, world, port, spec, out_file):
+def _run_one(rank, world, port, spec, out_file, kept):
     group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=120)
+    join_default_group(group, "gloo", 120)  # as the worker's setup does: torch.distributed for user code
     if spec.get("host_staged"):  # several ranks on one GPU: collectives staged through the host
         from tests.staged_group import HostStagedGroup
 
@@ -73,6 +75,7 @@ def _run_one(rank, world, port, spec, out_file):
                 "inspect": spec["inspect"](engine) if spec.get("inspect") else None},
                out_file)
     engine.close()
+    kept.append(leave_default_group())
     group.close()
 
 
@@ -86,8 +89,14 @@ def _run_rank(target, rank, *args):
     """``target(rank, *args)``, then leave at once, running no destructors: a torch gloo process
     group can deadlock in its destructor at the rank's teardown (its worker thread needs the GIL
     to drop a Python object it captured, while the main thread holds the GIL and joins that
-    thread: seen in the DDP ranks under load). What a rank produces is in its files by then."""
-    target(rank, *args)
+    thread: seen in the DDP ranks under load). What a rank produces is in its files by then. A
+    target that raises leaves its traceback where ``spawn_ranks`` looks (the last of ``args`` is
+    the output folder)."""
+    try:
+        target(rank, *args)
+    except BaseException:
+        record_failure(rank, args[-1])
+        raise
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -95,8 +104,8 @@ def _run_rank(target, rank, *args):
 
 def spawn_ranks(target, world, args, out_dir, join_s):
     """Run ``target(rank, *args, out_dir)`` in ``world`` spawned processes and wait for them. A
-    rank that fails writes its traceback to ``out_dir/error<rank>.txt`` (as ``_worker`` does);
-    any such file or non-zero exit raises, with every traceback, after the others are killed."""
+    rank that fails writes its traceback to ``out_dir/error<rank>.txt``; any such file or
+    non-zero exit raises, with every traceback, after the others are killed."""
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_run_rank, args=(target, r, *args, out_dir)) for r in range(world)]
     for p in procs:
@@ -109,6 +118,19 @@ def spawn_ranks(target, world, args, out_dir, join_s):
             if p.is_alive():
                 p.kill()
         raise RuntimeError(f"a rank failed (exit codes {[p.exitcode for p in procs]}):\n" + "\n".join(errors))
+
+
+def gloo_world(rank, world, port):
+    """A spawned rank's torch.distributed default group over gloo (a DDP reference's), one thread."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def load_ranks(out_dir, name, world):
+    """What ranks 0..world-1 saved as ``<name>_rank<r>.pt`` in ``out_dir``."""
+    return [torch.load(os.path.join(out_dir, f"{name}_rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
 def run_engine(world, **spec):

@@ -10,7 +10,10 @@ step never asks which stage it runs:
   ([Note: stage data flow] in engine/storage.py);
 - the coordinator that gathers and frees units (engine/coordination.py: none at stage 0);
 - the gradient buckets (comm/buckets.py) fed by the parameters' hooks (engine/grad_intake.py);
-- the flat optimizer over the master (engine/optim.py), activations (engine/activations.py).
+- the flat optimizer over the master (engine/optim.py), activations (engine/activations.py);
+- the buffers' broadcast from rank 0 at the start of each call ([Note: buffers follow DDP] in
+  engine/buffer_sync.py) and SyncBatchNorm's CPU forward ([Note: SyncBatchNorm on CPU] in
+  engine/sync_batchnorm.py).
 
 One step: every micro-batch runs ``loss_fn`` and backward with the coordinator fetching
 units (fetch/coordinator.py) and the buckets reducing gradients; then one status all-reduce carries the
@@ -32,9 +35,10 @@ from zeroray.comm.group import Group
 from zeroray.comm.waiter import Waiter
 from zeroray.config import ZeroConfig, validate_optimizer
 from zeroray.context import with_worker_context
-from zeroray.engine import state, step_status
+from zeroray.engine import state, step_status, sync_batchnorm
 from zeroray.engine.activations import track_activations
 from zeroray.engine.batch import split_batch, to_device
+from zeroray.engine.buffer_sync import BufferBroadcast
 from zeroray.engine.coordination import build_coordinator
 from zeroray.engine.grad_intake import GradIntake
 from zeroray.engine.inference import evaluation, run_call
@@ -77,7 +81,10 @@ class Engine:
             load_saved_weights(model_fn, self.model, self.layout, named, kept)
         self.precision = MixedPrecision(self.model, self.dtype, zero.cast_buffers)
         self.precision.cast()
+        # before mixed precision wraps the fp32 modules ([Note: SyncBatchNorm on CPU]): restored after it
+        self._restore_sync_bn = sync_batchnorm.install(self.model, self.device)
         self._restore_precision = self.precision.wrap()  # before checkpointing wraps: restored after it
+        self.sync_buffers = BufferBroadcast(self.model, group, zero.broadcast_buffers)  # [Note: buffers follow DDP]
         self.waiter = Waiter(group.blocking_waits)
         offload = self._offload(zero)
         self.storage = build_storage(policy, self.layout, named, kept, group, dtype=self.dtype, device=self.device,
@@ -138,6 +145,7 @@ class Engine:
         t0 = time.perf_counter()
         k = self.zero.grad_accum_steps
         self.group.counter.reset()
+        self.sync_buffers()
         # One reduction this step, over pieces that cover the gradient: it writes the gradient,
         # scaled, instead of adding into a cleared one ([Note: scaled write] in comm/buckets.py).
         written = self.reducer.covers_target and (k == 1 or not self.policy.reduce_every_micro_batch)
@@ -271,6 +279,7 @@ class Engine:
     def evaluate(self, batch: Any, metric_fn: Optional[Callable] = None) -> Dict[str, float]:
         """``loss_fn`` (and ``metric_fn``) on this rank's rows, in eval mode without gradients:
         ``{"loss": float, **metrics}`` (collective; trains nothing)."""
+        self.sync_buffers()
         return run_call(self.model, self.coordinator, self.group, self.waiter, self.device,
                         evaluation(self.loss_fn, metric_fn), batch)
 
@@ -278,6 +287,7 @@ class Engine:
     def run(self, fn: Callable, *args: Any) -> Any:
         """``fn(model, *args)`` in eval mode without gradients; its result with every tensor on the
         CPU. Tensors in ``args`` arrive on this rank's device (collective; trains nothing)."""
+        self.sync_buffers()
         return run_call(self.model, self.coordinator, self.group, self.waiter, self.device, fn, *args)
 
     # --- inspection and state: engine/state.py, in the storage's coordinates ----------------
@@ -330,6 +340,7 @@ class Engine:
         self.coordinator.remove()  # its parameter access too
         self._restore_forwards()
         self._restore_precision()
+        self._restore_sync_bn()
         self.activations.inner = None
         self.optimizer.close()
         self.storage.close()
