@@ -12,7 +12,7 @@ of two kinds, printed apart:
   cannot tell a good simulator from a bad one (their prediction is the calibration point itself).
 
 The checks:
-- the ZeRO paper and torchtitan's published figures (benchmarks/plan_published.py, which also says
+- the ZeRO paper and torchtitan's published figures (tests/plan_published.py, which also says
   their sources; tests/unit/test_plan_published.py asserts them in the suite);
 - the H200 evidence (808M bf16, world 1, measured before the GPU fixes of the stop that followed it
   and not re-measured since): the NCCL steps of stages 1 and 3 and stage 3's peak; the plain step is
@@ -48,6 +48,7 @@ from dataclasses import replace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, ROOT)  # tests/plan_published.py
 
 from zeroray import plan  # noqa: E402
 from zeroray.plan.calibrate import (contended_figures, cpu_cluster, engine_ratio, gloo_ring, quantile,  # noqa: E402
@@ -70,7 +71,7 @@ def row(name: str, predicted: float, reference: float, bound: float, unit: str =
 
 
 def published() -> None:
-    import plan_published
+    from tests import plan_published
 
     for r in plan_published.rows():
         row(r.name, r.predicted, r.reference, r.bound, r.unit, r.side, note=r.note)
@@ -222,7 +223,14 @@ class Calibration:
         cl = cpu_cluster(w, self.m["gloo"], world, self.cores, step_s=step, adamw_s=self.adamw_per_param[world] * params,
                          params=params, micro_batch=micro_batch, straggler=c["straggler"] if c else 1.0,
                          engine=ratio is not None)
-        return cl.with_(step_overhead_s=self.overhead[(world, stage)])
+        return cl.with_(step_overhead_s=self.overhead[(world, stage)], busy_overlap=self.busy_overlap(world))
+
+    def busy_overlap(self, world: int) -> float:
+        """The share of a collective hidden beside the compute with every core busy, as measured
+        (plan_measure's ``overlap``, clipped to [0, 1]), or without the measurement 1: the overlap of
+        any cluster ([Note: hardware presets])."""
+        o = self.m.get("overlap", {}).get(str(world))
+        return min(1.0, max(0.0, o["overlap"])) if o else 1.0
 
     def describe(self) -> None:
         print(f"  calibration set: {self.model} (and the tiny model's fixed per-step cost); held out: {', '.join(HELD_OUT)}")
@@ -235,6 +243,12 @@ class Calibration:
                          f"({c['contention']:.3f}x beyond the share {c['share']:g}), the slowest {c['straggler']:.3f}x")
             line += "; fixed per-step cost " + "/".join(f"{self.overhead[(world, s)] * 1e3:.0f}" for s in range(4)) + " ms"
             print(line)
+        for world in self.worlds:
+            o = self.m.get("overlap", {}).get(str(world))
+            print(f"  {world} workers, gloo beside the compute with every core busy: " +
+                  (f"{o['overlap']:.2f} of the shorter hidden (step {o['compute_s'] * 1e3:.0f} ms, reduce-scatter of "
+                   f"{o['mb']:g} MB {o['comm_s'] * 1e3:.0f} ms, both {o['both_s'] * 1e3:.0f} ms; load average "
+                   f"{o['load'][0]:.1f})" if o else "not measured: taken as 1, as on any cluster (`--measure-only overlap` measures it)"))
         if self.engine:
             print(f"  the engine's single-process step over the plain one ({self.model}, CPU seconds), stages 0-3: " +
                   "/".join(f"{self.engine[s]:.3f}" for s in range(4)) + "x")
@@ -369,7 +383,8 @@ def main(argv=None) -> int:
     p.add_argument("--measure-only", default="", metavar="PARTS",
                    help="measure only these calibration parts, comma-separated, and add them to --measured (the "
                         "rest kept): contended (one copy per core), oversubscribed (one copy per worker where "
-                        "--workers outnumber the cores), engine_solo (the engine's single-process step)")
+                        "--workers outnumber the cores), engine_solo (the engine's single-process step), overlap (gloo "
+                        "beside the compute with every core busy)")
     p.add_argument("--without", default="", metavar="PARTS",
                    help="read the measurement without these calibration parts (comma-separated: contended, "
                         "oversubscribed, engine_solo): the table as it was before they were taken")
@@ -389,9 +404,9 @@ def main(argv=None) -> int:
 
     path = args.measured or plan_measure.OUT
     parts = [x for x in args.measure_only.split(",") if x] + (["contended"] if args.measure_contention else [])
-    unknown = sorted(set(parts) - {"contended", "oversubscribed", "engine_solo"})
+    unknown = sorted(set(parts) - {"contended", "oversubscribed", "engine_solo", "overlap"})
     if unknown:
-        p.error(f"--measure-only {','.join(unknown)}: choose among contended, oversubscribed, engine_solo")
+        p.error(f"--measure-only {','.join(unknown)}: choose among contended, oversubscribed, engine_solo, overlap")
     if parts and not args.measure:
         with open(path) as f:
             kept = json.load(f)
@@ -399,6 +414,7 @@ def main(argv=None) -> int:
         for part in parts:
             kept[part] = (plan_measure.measure_contention(models) if part == "contended" else
                           plan_measure.measure_oversubscribed(models, worlds) if part == "oversubscribed" else
+                          plan_measure.measure_overlap(worlds) if part == "overlap" else
                           plan_measure.engine_solo(models))
             kept.setdefault("added", {})[part] = {"at": time.time(), "load": os.getloadavg()}
         with open(path, "w") as f:

@@ -1,11 +1,11 @@
-"""The step simulator against the published figures (benchmarks/plan_published.py, which names each
+"""The step simulator against the published figures (tests/plan_published.py, which names each
 source): the ZeRO paper's Table 1 as zeroray holds the states, its largest models and throughputs
 as its own systems held them, and torchtitan's Llama 3.1 8B FSDP runs on H100. Arithmetic only, no
 measurement: each row is ``plan.simulate``'s prediction against the published figure and its bound.
 The formula's own test (Table 1 from ``estimate_memory``) is tests/unit/test_memory.py's."""
 import pytest
 
-from benchmarks import plan_published
+from tests import plan_published
 
 ROWS = plan_published.rows()
 

@@ -10,7 +10,7 @@ the gathered window, the gradient buckets, the logits, and a fragmentation slack
   the compute dtype between micro-batches; with ``offload`` ("disk", or "cpu" on paper: [Note:
   offload on paper] in replay.py) the optimizer term is the tier's three chunks and at stage 3 the
   parameter shard is off the device too. For the rows that compare with the ZeRO paper's own runs
-  (benchmarks/plan_published.py), ``states="paper"`` holds them as Table 1's formula does
+  (tests/plan_published.py), ``states="paper"`` holds them as Table 1's formula does
   (``model_state_bytes``: a 16-bit gradient, full at stages 0-1), and ``states="megatron"`` as the
   paper's plain data-parallel baseline did: Megatron-LM's ``FP16_Optimizer`` (megatron/fp16/fp16.py,
   apex's) copies the fp16 gradients into an fp32 ``.grad`` of each master parameter and keeps it

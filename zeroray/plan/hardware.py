@@ -17,8 +17,12 @@ published single-GPU 39 TFLOP/s (30% of 125) at a large batch.
 
 CPU workers (``cores`` > 0) share the node's cores: with one thread each, ``W`` workers on ``C < W``
 cores each get ``C / W`` of a core for everything they compute, copy or launch (``core_share``);
-with ``W >= C`` no core is left for communication, and a collective's time, gloo's α–β measured
-at that world size on the same cores, adds to the step instead of overlapping it (``saturated``).
+with ``W >= C`` (``saturated``) gloo's copies need the cores the compute holds, so a collective's
+time, gloo's α–β measured at that world size on the same cores, is hidden beside the compute only
+in the share ``busy_overlap`` and adds to the step for the rest. That share is measured
+(benchmarks/plan_measure.py's ``overlap``: the plain step, a reduce-scatter, and both at once on
+every rank); a cluster without the measurement takes 1, the overlap every other cluster has (the
+rule that it is less was added while rows were out of bounds, so it stands only measured).
 The ``cpu`` preset's figures are placeholders of this class of machine: calibrate.py's
 ``cpu_cluster`` builds a machine's from what benchmarks/plan_measure.py measured on it (the
 engine's single-process step, the flat AdamW step, gloo's α–β, the step's copies run together, and
@@ -64,6 +68,7 @@ class Cluster:
     context_bytes: float = 1e9   # taken before training: the CUDA context and workspaces ([Note: peak memory])
     host_bw: float = 50e9        # bytes/s each way between a GPU and host memory (offload="cpu", on paper)
     disk_bw: float = 2e9         # bytes/s of a worker's disk tier, reads and writes together (offload="disk")
+    busy_overlap: float = 1.0    # CPU workers with every core busy: the share of a collective hidden beside compute
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node",):
@@ -74,6 +79,8 @@ class Cluster:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r} is invalid: it must be > 0")
         if not self.context_bytes >= 0:
             raise ValueError(f"Cluster.context_bytes={self.context_bytes!r} is invalid: it must be >= 0")
+        if not 0.0 <= self.busy_overlap <= 1.0:
+            raise ValueError(f"Cluster.busy_overlap={self.busy_overlap!r} is invalid: it is a share, between 0 and 1")
         if not self.straggler >= 1.0:
             raise ValueError(f"Cluster.straggler={self.straggler!r} is invalid: it is the slowest rank's compute "
                              "time over a typical rank's, at least 1 (1: ranks that run alike)")

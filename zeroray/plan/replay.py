@@ -25,9 +25,9 @@ it needs. What each stage issues is the engine's:
 
 Workers that share CPU cores (``Cluster.cores``: the CPU preset) share them: compute, copies, the
 optimizer and launches of each run ``core_share`` times slower when a node has more workers than
-cores, and when they have every core busy (``saturated``) a collective does not overlap the
-compute: gloo over loopback TCP moves its bytes with the same cores' copies, so the compute
-stream waits for it ([Note: hardware presets]). With more than one rank, the compute runs at the
+cores, and when they have every core busy (``saturated``) a collective overlaps the compute only
+in the measured share ``Cluster.busy_overlap``: gloo over loopback TCP moves its bytes with the
+same cores' copies, so the compute stream waits for the rest ([Note: hardware presets]). With more than one rank, the compute runs at the
 slowest rank's pace (``Cluster.straggler``): the ranks meet at every collective.
 
 Backward costs twice the forward plus the recomputed share of it (``recompute``: 1 with
@@ -163,8 +163,8 @@ def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
         state["host"] += launch
         state["count"] += 1
         state["c"] = max(state["c"], state["t"]) + seconds
-        if saturated:  # the transfer's copies take the cores the compute would have used
-            state["t"] = state["c"]
+        if saturated:  # the transfer's copies take the cores the compute would have used, but the measured share
+            state["t"] += (1.0 - cluster.busy_overlap) * (state["c"] - state["t"])
         return state["c"]
 
     def run(seconds: float) -> None:

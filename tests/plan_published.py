@@ -2,8 +2,8 @@
 
 Each row is a ``Published``: what ``plan.simulate`` (or the planner built on it) predicts, the
 published figure it is compared with, the bound, and where the figure comes from. Nothing here
-is measured or fitted: benchmarks/plan_check.py prints these rows beside this machine's measured
-ones, and tests/unit/test_plan_published.py asserts them in the suite. Sources:
+is measured or fitted: tests/unit/test_plan_published.py asserts them in the suite, and
+benchmarks/plan_check.py prints them beside this machine's measured rows. Sources:
 
 - The ZeRO paper: Rajbhandari, Rasley, Ruwase, He, "ZeRO: Memory Optimizations Toward Training
   Trillion Parameter Models", SC 2020 (arXiv:1910.02054). Hardware: 400 V100 32 GB GPUs in 25
