@@ -3,7 +3,6 @@ offload, the GPU by name and memory) and when it starts the workers. The runs ag
 are tests/ray/test_stage_auto.py's."""
 import logging
 
-import numpy as np
 import pytest
 import torch
 
@@ -50,7 +49,7 @@ def test_batch_shape_is_rows_per_micro_batch_and_sequence_length():
     ids = torch.zeros(16, 128, dtype=torch.long)
     assert batch_shape((ids, ids), workers=2, accum=1) == (8, 128)
     assert batch_shape({"input_ids": ids, "labels": ids}, workers=2, accum=4) == (2, 128)
-    assert batch_shape({"x": np.zeros((12, 3, 7))}, workers=3, accum=1) == (4, 3)  # dim 1, whatever it is
+    assert batch_shape({"x": torch.zeros(12, 3, 7)}, workers=3, accum=1) == (4, 3)  # dim 1, whatever it is
     assert batch_shape(torch.zeros(6), workers=2, accum=1) == (3, 1)
     assert batch_shape({"note": "none"}, workers=2, accum=1) is None
 
@@ -125,3 +124,12 @@ def test_a_trainer_with_auto_starts_its_workers_on_its_first_batch(ray_local, ca
     assert closed.state is TrainerState.CLOSED
     with pytest.raises(RuntimeError, match="shut down"):
         closed.step(make_batches(1)[0])
+
+
+def test_first_batch_of_a_ray_dataset_is_its_first_global_batch(ray_local):
+    import ray
+
+    ds = ray.data.from_items([{"ids": torch.full((5,), i).numpy(), "label": i} for i in range(12)])
+    batch, data = first_batch(ds, 8)
+    assert data is ds and batch["ids"].shape == (8, 5) and batch_shape(batch, workers=2, accum=2) == (2, 5)
+    assert first_batch(ds, None) == (None, ds)  # fit's own error says the batch size is missing

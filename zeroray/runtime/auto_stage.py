@@ -30,13 +30,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Callable, Optional, Tuple
 
 import ray
 
 from zeroray import plan
 from zeroray.config import ScalingConfig, ZeroConfig
+from zeroray.engine.batch import tensors
 from zeroray.plan.hardware import preset_for_device
 from zeroray.plan.report import format_plan
 
@@ -107,24 +108,14 @@ def cluster_found(scaling: ScalingConfig, zero: ZeroConfig) -> Tuple[plan.Cluste
 
 def batch_shape(batch: Any, workers: int, accum: int) -> Optional[Tuple[int, int]]:
     """(rows each worker computes at once, sequence length) of a global batch: its rows over
-    ``workers x accum`` (at least 1), and the longest second dimension of its tensors or arrays (1
-    when none has two); None for a batch with no tensor."""
-    leaves = _leaves(batch)
+    ``workers x accum`` (at least 1), and the longest second dimension of its tensors (1 when none
+    has two); None for a batch with no tensor."""
+    leaves = tensors(batch)
     if not leaves:
         return None
     rows = int(leaves[0].shape[0]) if len(leaves[0].shape) else 1
     seq = max((int(t.shape[1]) for t in leaves if len(t.shape) >= 2), default=1)
     return max(1, rows // (workers * accum)), seq
-
-
-def _leaves(batch: Any) -> list:
-    if hasattr(batch, "shape") and hasattr(batch, "dtype"):  # a tensor or a numpy array
-        return [batch]
-    if isinstance(batch, Mapping):
-        return [t for v in batch.values() for t in _leaves(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _leaves(v)]
-    return []
 
 
 def resolve_stage(zero: ZeroConfig, model_fn: Callable[[], Any], scaling: ScalingConfig,
@@ -163,7 +154,10 @@ def first_batch(data: Any, batch_size: Optional[int] = None) -> Tuple[Any, Any]:
     if is_ray_dataset(data):
         if not batch_size:
             return None, data  # fit says what is missing
-        return data.take_batch(batch_size, batch_format="numpy"), data
+        import torch
+
+        rows = data.take_batch(batch_size, batch_format="numpy")  # as the workers' local feed reads it
+        return {k: torch.as_tensor(v) for k, v in rows.items() if getattr(v, "dtype", object).kind in "biuf"}, data
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
         return (data[0] if len(data) else None), data
     try:
