@@ -229,8 +229,16 @@ class Calibration:
         """The share of a collective hidden beside the compute with every core busy, as measured
         (plan_measure's ``overlap``, clipped to [0, 1]), or without the measurement 1: the overlap of
         any cluster ([Note: hardware presets])."""
-        o = self.m.get("overlap", {}).get(str(world))
+        o = self.overlap(world)
         return min(1.0, max(0.0, o["overlap"])) if o else 1.0
+
+    def overlap(self, world: int):
+        """plan_measure's ``overlap`` at ``world`` ranks, or None: not measured, or measured while other
+        processes held the cores (the step's wall time beyond what its ranks' own sharing explains)."""
+        o = self.m.get("overlap", {}).get(str(world))
+        if o is None or undisturbed(o["compute_s"], statistics.median(o["cpu_compute_all_s"]), world, self.cores):
+            return o
+        return None
 
     def describe(self) -> None:
         print(f"  calibration set: {self.model} (and the tiny model's fixed per-step cost); held out: {', '.join(HELD_OUT)}")
@@ -244,11 +252,13 @@ class Calibration:
             line += "; fixed per-step cost " + "/".join(f"{self.overhead[(world, s)] * 1e3:.0f}" for s in range(4)) + " ms"
             print(line)
         for world in self.worlds:
-            o = self.m.get("overlap", {}).get(str(world))
+            o, raw = self.overlap(world), self.m.get("overlap", {}).get(str(world))
             print(f"  {world} workers, gloo beside the compute with every core busy: " +
                   (f"{o['overlap']:.2f} of the shorter hidden (step {o['compute_s'] * 1e3:.0f} ms, reduce-scatter of "
                    f"{o['mb']:g} MB {o['comm_s'] * 1e3:.0f} ms, both {o['both_s'] * 1e3:.0f} ms; load average "
-                   f"{o['load'][0]:.1f})" if o else "not measured: taken as 1, as on any cluster (`--measure-only overlap` measures it)"))
+                   f"{o['load'][0]:.1f})" if o else
+                   "DISTURBED (the step's wall time beyond its ranks' sharing of the cores): taken as 1" if raw else
+                   "not measured: taken as 1, as on any cluster (`--measure-only overlap` measures it)"))
         if self.engine:
             print(f"  the engine's single-process step over the plain one ({self.model}, CPU seconds), stages 0-3: " +
                   "/".join(f"{self.engine[s]:.3f}" for s in range(4)) + "x")

@@ -261,7 +261,7 @@ def _overlap_rank(spec: BenchSpec, rank: int, world: int, port: int, mb: float, 
     floor = Floor(spec)
     batch = next(iter(global_batches(spec)))
     tick = torch.zeros(1)
-    times: Dict[str, List[float]] = {"compute": [], "comm": [], "both": []}
+    times: Dict[str, List[float]] = {"compute": [], "comm": [], "both": [], "cpu_compute": []}
 
     def compute() -> None:
         floor.step(batch)
@@ -270,7 +270,7 @@ def _overlap_rank(spec: BenchSpec, rank: int, world: int, port: int, mb: float, 
     for i in range(warmup + steps):
         for name in ("compute", "comm", "both"):
             native.all_reduce(tick)  # the ranks start each part together
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             if name == "compute":
                 compute()
             else:
@@ -280,20 +280,24 @@ def _overlap_rank(spec: BenchSpec, rank: int, world: int, port: int, mb: float, 
                 handle.wait()
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
+                if name == "compute":  # one thread: its CPU seconds, to tell a step other processes slowed
+                    times["cpu_compute"].append(time.process_time() - c0)
     native.close()
     if rank == 0:
         out.put(times)
 
 
-def measure_overlap(worlds=(2, 3), model: str = "gpt", mb: float = 64.0, steps: int = 6,
-                    warmup: int = 2) -> Dict[str, Any]:
+def measure_overlap(worlds=(2, 3), model: str = "gpt", mb: float = 64.0, steps: int = 10,
+                    warmup: int = 2, rows: int = 1) -> Dict[str, Any]:
     """Whether gloo's transfers run beside the compute when the workers keep every core busy (the
     replay's ``Cluster.saturated`` rule): per world size, ``world`` processes each time their plain step
     (forward+backward and the flat AdamW, one thread), the engine's point-to-point reduce-scatter of
     ``mb`` MB alone, and both at once (the reduce-scatter launched, then the step, then its wait), the
     three started together on every rank and interleaved step by step. ``overlap``: the share of the
     shorter part hidden, ``(compute + comm - both) / min(compute, comm)`` over rank 0's medians (1: the
-    transfer ran entirely beside the compute; 0: not at all)."""
+    transfer ran entirely beside the compute; 0: not at all). The step is of ``rows`` sequences, so that
+    it lasts about as long as the transfer and neither hides in the other's noise; ``cpu_compute_s``,
+    its CPU seconds, tells a run other processes slowed (plan_check refuses it, calibrate.undisturbed)."""
     import torch.multiprocessing as mp
 
     from zeroray.comm.port import free_port
@@ -303,7 +307,7 @@ def measure_overlap(worlds=(2, 3), model: str = "gpt", mb: float = 64.0, steps: 
     out: Dict[str, Any] = {}
     for world in worlds:
         queue, port = ctx.Queue(), free_port()
-        spec = spec_for(model, 1, steps, warmup)
+        spec = replace(spec_for(model, 1, steps, warmup), batch_per_worker=rows)
         procs = [ctx.Process(target=_overlap_rank, args=(spec, r, world, port, mb, steps, warmup, queue))
                  for r in range(world)]
         for proc in procs:
