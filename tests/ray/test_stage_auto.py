@@ -22,6 +22,8 @@ from examples import gpt
 from zeroray.plan.footprint import FRAGMENTATION
 from zeroray.runtime.auto_stage import MARGIN
 
+pytestmark = pytest.mark.slow  # eight trainers of up to 19M parameters, at 2 and 4 workers
+
 
 def model(d: int, layers: int, seq: int) -> torch.nn.Module:
     return gpt.GPT(gpt.GPTConfig(vocab_size=256, seq_len=seq, d_model=d, n_layers=layers, n_heads=4))
