@@ -37,8 +37,13 @@ class ZeroConfig:
     """What is sharded and how the bulk tensors move.
 
     stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters, or "auto":
-        the Trainer picks the cheapest stage that fits the cluster it finds, with a margin, and
-        logs why ([Note: choosing a stage] in zeroray/plan/planner.py; runtime/auto_stage.py).
+        the Trainer picks the cheapest stage that fits the memory each worker has, with a 20%
+        margin, for the model, its first batch (rows per worker, sequence length), the
+        accumulation and the offload, and logs why; it starts the workers when first given data
+        ([Note: stage from the first batch] in runtime/auto_stage.py).
+    memory_budget: with stage="auto", the bytes per worker training's tensors may take (model
+        states, activations, buffers, logits), the budget the stage is chosen for. None (default):
+        the GPU's memory read from the device, or on CPU workers Ray's free memory shared by them.
     dtype: compute dtype of parameters and gradients; the optimizer keeps an fp32 master shard.
     reduce_dtype: dtype gradients are reduced in (None: fp32).
     bucket_bytes: size of one coalescing bucket (C_B) for gradient reduction and gathers, or
@@ -138,9 +143,14 @@ class ZeroConfig:
     offload: Optional[str] = None
     offload_dir: Optional[str] = None
     offload_chunk_bytes: int = 16 * 2**20
+    memory_budget: Optional[float] = None
 
     def __post_init__(self) -> None:
         c = "ZeroConfig"
+        _positive_number(c, "memory_budget", self.memory_budget, allow_none=True)
+        if self.memory_budget is not None and self.stage != "auto":
+            _fail(c, "memory_budget", self.memory_budget, "it is the budget stage='auto' chooses a stage for: set "
+                  "stage='auto', or leave memory_budget None")
         self._validate_offload()
         if self.stage != "auto" and (not isinstance(self.stage, int) or isinstance(self.stage, bool)
                                      or self.stage not in (0, 1, 2, 3)):

@@ -26,7 +26,7 @@ def split_batch(batch: Any, parts: int, what: str = "batch") -> List[Any]:
 
 
 def batch_size(batch: Any) -> int:
-    leaves = _leaves(batch)
+    leaves = tensors(batch)
     if not leaves:
         raise ValueError("the batch holds no tensors: pass a tensor, or a tuple/list/dict of tensors")
     sizes = {t.shape[0] if t.dim() else None for t in leaves}
@@ -35,13 +35,14 @@ def batch_size(batch: Any) -> int:
     return sizes.pop()
 
 
-def _leaves(batch: Any) -> List[torch.Tensor]:
+def tensors(batch: Any) -> List[torch.Tensor]:
+    """The tensors of a batch, in order (a tensor, or nested tuples, lists and dicts of them)."""
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, Mapping):
-        return [t for v in batch.values() for t in _leaves(v)]
+        return [t for v in batch.values() for t in tensors(v)]
     if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _leaves(v)]
+        return [t for v in batch for t in tensors(v)]
     return []
 
 

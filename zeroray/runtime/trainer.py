@@ -29,14 +29,14 @@ import torch
 from zeroray.layout.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
-from zeroray.runtime.auto_stage import resolve_stage
+from zeroray.runtime.auto_stage import first_batch, resolve_stage
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.controller import Controller
 from zeroray.runtime.fit_eval import FitEvaluation
 from zeroray.runtime.fit_loop import run_fit
 from zeroray.runtime.messages import WorkerSpec
 from zeroray.runtime.step import StepResult
-from zeroray.runtime.trainer_state import TrainerState
+from zeroray.runtime.trainer_state import SHUT_DOWN, TrainerState
 from zeroray.runtime.worker_group import ensure_ray
 
 __all__ = ["Trainer", "StepResult", "TrainerState"]
@@ -76,21 +76,22 @@ class Trainer:
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         self.zero = zero or ZeroConfig()
-        scaling = scaling or ScalingConfig()
+        self._scaling = scaling or ScalingConfig()
         self.failure = failure or FailureConfig()
         self.checkpoint_config = checkpoint or CheckpointConfig()
         self.seed = seed
         self.metrics_path = metrics_path
-        ensure_ray(scaling)
-        self.zero = resolve_stage(self.zero, model_fn, scaling, optimizer)  # stage="auto": the plan's choice
-        spec = WorkerSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=optimizer, zero=self.zero, seed=seed,
+        ensure_ray(self._scaling)
+        self._spec = dict(model_fn=model_fn, loss_fn=loss_fn, optimizer=optimizer, seed=seed,
                           param_groups=param_groups, scheduler=scheduler)
-        self.controller = Controller(spec, scaling, self.zero, spares=self.failure.spares)
-        # Garbage collection of the Trainer releases its actors and placement group.
-        self._finalizer = weakref.finalize(self, self.controller.slot.release)
-        atexit.register(self._finalizer)  # before ray.shutdown at exit: [Note: releasing at exit]
+        self._controller: Optional[Controller] = None
+        self._finalizer: Optional[weakref.finalize] = None
+        self._closed = False
+        self._position = 0  # data_position set before the workers started
         self.restored_from: Optional[Any] = None  # the checkpoint directory Trainer.restore loaded
         self.skipped_checkpoints: List[Any] = []  # restore(fallback=True): SkippedCheckpoint(path, reason)s
+        if self.zero.stage != "auto" or _restore_from is not None:
+            self._start()  # stage="auto" waits for the first batch ([Note: stage from the first batch])
         if _restore_from is not None:
             try:
                 self.controller.load(_restore_from)
@@ -99,31 +100,69 @@ class Trainer:
                 raise
             self.restored_from = self.controller.last_checkpoint
 
+    # --- the workers ([Note: stage from the first batch] in runtime/auto_stage.py) ------------
+
+    def _start(self, batch: Any = None) -> Controller:
+        """The controller, its workers started on first use: with stage="auto", at the stage chosen
+        for ``batch`` (the first global batch the trainer is given, or None: not known)."""
+        if self._controller is None:
+            if self._closed:
+                raise RuntimeError(SHUT_DOWN)
+            self.zero = resolve_stage(self.zero, self._spec["model_fn"], self._scaling, self._spec["optimizer"], batch)
+            spec = WorkerSpec(zero=self.zero, **self._spec)
+            self._controller = Controller(spec, self._scaling, self.zero, spares=self.failure.spares)
+            # Garbage collection of the Trainer releases its actors and placement group.
+            self._finalizer = weakref.finalize(self, self._controller.slot.release)
+            atexit.register(self._finalizer)  # before ray.shutdown at exit: [Note: releasing at exit]
+            if self._position:
+                self._controller.seek(self._position)
+        return self._controller
+
+    def _start_for(self, data: Any, batch_size: Optional[int] = None) -> Any:
+        """Start the workers for fit's or evaluate's ``data`` (its first batch sizes stage="auto"); the
+        data to use from here on (a one-shot iterator whose first batch was read is given it back)."""
+        if self._controller is None and not self._closed:
+            batch, data = first_batch(data, batch_size)
+            self._start(batch)
+        return data
+
+    @property
+    def controller(self) -> Controller:
+        """The driver's state machine (controller.py); reading it starts the workers."""
+        return self._start()
+
     # --- what the trainer knows (the controller owns it) -----------------------------------
 
     @property
     def state(self) -> TrainerState:
         """What the trainer is doing now: idle, stepping, fitting, recovering, resizing or closed."""
-        return self.controller.state
+        if self._controller is None:
+            return TrainerState.CLOSED if self._closed else TrainerState.IDLE
+        return self._controller.state
 
     @property
     def scaling(self) -> ScalingConfig:
-        return self.controller.scaling
+        return self._scaling if self._controller is None else self._controller.scaling
 
     @property
     def step_count(self) -> int:
         """Optimizer steps taken so far."""
-        return self.controller.step_count
+        return 0 if self._controller is None else self._controller.step_count
 
     @property
     def data_position(self) -> int:
         """Global batches consumed from fit's data (where the next fit, or a restored checkpoint, resumes)."""
-        return self.controller.data_position
+        return self._position if self._controller is None else self._controller.data_position
 
     @data_position.setter
     def data_position(self, value: int) -> None:
         """Where the next fit starts in its data (while idle; see Controller.seek)."""
-        self.controller.seek(value)
+        if self._controller is None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"data_position={value!r} must be an integer >= 0 (global batches of fit's data)")
+            self._position = value
+            return
+        self._controller.seek(value)
 
     @property
     def last_recovery_s(self) -> Optional[float]:
@@ -150,8 +189,11 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Release the actors and the placement group. Safe to call twice."""
-        self.controller.close()
-        atexit.unregister(self._finalizer)
+        self._closed = True
+        if self._controller is not None:
+            self._controller.close()
+        if self._finalizer is not None:
+            atexit.unregister(self._finalizer)
 
     def __enter__(self) -> "Trainer":
         return self
@@ -163,7 +205,7 @@ class Trainer:
 
     def step(self, batch: Any) -> StepResult:
         """One optimizer step on a global batch (split evenly over the workers)."""
-        return self.controller.step(batch)
+        return self._start(batch).step(batch)
 
     def fit(self, data: Any, num_steps: Optional[int] = None, *, batch_size: Optional[int] = None,
             skip: Optional[int] = None, progress: bool = True, eval_data: Any = None,
@@ -184,6 +226,7 @@ class Trainer:
         """
         if eval_metric_fn is not None:
             ship_by_value(eval_metric_fn)
+        data = self._start_for(data, batch_size)
         return run_fit(self.controller, data, num_steps, batch_size=batch_size, skip=skip, progress=progress,
                        failure=self.failure, checkpoint=self.checkpoint_config, metrics_path=self.metrics_path,
                        evaluation=FitEvaluation.of(eval_data, eval_every, eval_metric_fn, batch_size))
@@ -208,6 +251,7 @@ class Trainer:
                              f"got {type(metric_fn).__name__}")
         if metric_fn is not None:
             ship_by_value(metric_fn)
+        data = self._start_for(data, batch_size)
         return self.controller.evaluate(data, metric_fn, batch_size)
 
     def run(self, fn: Callable, *args: Any) -> Any:
