@@ -290,3 +290,77 @@ def test_named_overrides_and_torch_optimizer_pickle_and_rebuild():
         assert pickle.loads(pickle.dumps(obj)) == obj
     assert NamedOverrides({"a": {"betas": [0.9, 0.95]}})("a", None) == {"betas": (0.9, 0.95)}
     assert RestoreChoice(zr.AdamW()).given == {"optimizer", "param_groups", "scheduler"}
+
+
+def test_pytorch_load_state_dict_brings_back_the_hyperparameters():
+    """The rule restore follows, in PyTorch: loading an optimizer's state_dict into one built with
+    other hyperparameters gives the saved ones back (and a scheduler's its position)."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    saved = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.0)
+    sched = L.StepLR(saved, step_size=1, gamma=0.5)
+    p.grad = torch.ones(2)
+    saved.step(), sched.step()
+    default = torch.optim.AdamW([p])
+    default_sched = L.StepLR(default, step_size=1, gamma=0.5)
+    default.load_state_dict(saved.state_dict())
+    default_sched.load_state_dict(sched.state_dict())
+    assert (default.param_groups[0]["weight_decay"], default.param_groups[0]["lr"]) == (0.0, 5e-3)
+    assert default_sched.last_epoch == 1
+
+
+def test_the_record_goes_through_a_manifest_and_inspect_shows_it(tmp_path):
+    import io
+
+    from zeroray.checkpoint import ManifestFields, cli_inspect, commit, load_manifest, load_resharded, write_shard
+
+    recipe = RECIPES["SGD nesterov, groups, StepLR"]
+    e = engine(**recipe)
+    train(e, BATCHES[:3])
+    tensors, scalars = e.export_state()
+    record = merge_parts([e.optimizer_record()], recipe["optimizer"], recipe["param_groups"])
+    layout = e.state_layout()[0]
+    commit(tmp_path, 3, ManifestFields(layout=layout, optimizer=record), [write_shard(tmp_path, 3, 0, tensors, scalars)])
+    manifest = load_manifest(tmp_path)
+    assert manifest.optimizer == json.loads(json.dumps(record))
+    out = io.StringIO()
+    assert cli_inspect(tmp_path, out=out) == 0
+    text = out.getvalue()
+    assert "optimizer: torch.optim.sgd.SGD, built by tests.unit.test_optimizer_record.<lambda>" in text
+    assert "state keys: momentum_buffer" in text and "param groups: 2" in text
+    assert 'overrides {"lr": 0.05, "weight_decay": 0.001}:' in text and '"lr": 0.025' in text
+    assert 'scheduler: torch.optim.lr_scheduler.StepLR: {"_get_lr_called_within_step": false' in text
+    # and restored from the files: the same as straight from the engine
+    choice = choose(manifest.optimizer, manifest.source, {})
+    again = engine(choice.optimizer, choice.param_groups, choice.scheduler)
+    live = merge_parts([again.optimizer_record()], choice.optimizer, choice.param_groups)
+    loaded = load_resharded(tmp_path, again.state_layout()[0], 0)
+    again.import_state(*with_plan(*loaded, plan_load(manifest.optimizer, manifest.scalars, live, choice).for_workers()))
+    train(e, BATCHES[3:])
+    train(again, BATCHES[3:])
+    assert torch.equal(again.master_shard(), e.master_shard())
+
+
+def test_a_load_whose_record_differs_from_what_was_rebuilt_is_refused():
+    """A fallback restore builds from the newest checkpoint's record; an older one it falls back
+    to may have been saved with another optimizer: that is not taken for a restatement."""
+    first = dict(optimizer=zr.AdamW(lr=1e-2))
+    e = engine(**first)
+    train(e, BATCHES[:2])
+    newest = as_saved(e, first)[2]
+    other = dict(optimizer=zr.AdamW(lr=1e-3))
+    older = as_saved(engine(**other), other)
+    choice = choose(newest, "ckpt", {})
+    again = engine(choice.optimizer)
+    live = merge_parts([again.optimizer_record()], choice.optimizer, None)
+    with pytest.raises(ValueError, match="saved with another optimizer than the one restore rebuilt"):
+        plan_load(older[2], [older[1]], live, choice)
+
+
+@pytest.mark.parametrize("damage", [lambda r: r.pop("groups"), lambda r: r.update(version=99),
+                                    lambda r: r["groups"][0].update(params="emb.weight")])
+def test_a_damaged_record_says_so(damage):
+    recipe = RECIPES["zr.AdamW"]
+    record = as_saved(engine(**recipe), recipe)[2]
+    damage(record)
+    with pytest.raises(ValueError, match="ckpt: the checkpoint's optimizer record is damaged"):
+        choose(record, "ckpt", {})

@@ -202,6 +202,8 @@ class Manifest:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("source", "location")}
         d["shards"] = [asdict(e) for e in self.shards]
         d["extra_tensors"] = asdict(self.extra_tensors) if self.extra_tensors else None
+        if self.optimizer is None:  # a manifest from before the record reads back as it was written
+            del d["optimizer"]
         return {"format": FORMAT, **json.loads(json.dumps(d))}  # a deep copy: the caller may change it
 
     def to_json(self) -> str:

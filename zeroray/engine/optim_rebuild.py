@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 from torch.optim import lr_scheduler
 
 from zeroray.config import optimizer_spec_class
-from zeroray.engine.optim_record import (PER_GROUP_STATE, decode, decode_hyperparameters, hyperparameters, probe,
-                                         qualified_name)
+from zeroray.engine.optim_record import (PER_GROUP_STATE, decode, decode_hyperparameters, hyperparameters,
+                                         name_list, probe, qualified_name)
 
 
 class RebuildError(ValueError):
@@ -155,7 +155,7 @@ def check_rebuilt(rebuilt: Any, record: Mapping[str, Any]) -> None:
                     if got is not None else "it cannot be built")
             raise RebuildError(
                 f"the checkpoint's optimizer ({record['spec'].get('name') or record['spec'].get('class')}) built the "
-                f"param group of {_names(g['params'])} with other hyperparameters than {record['class']}(params, "
+                f"param group of {name_list(g['params'])} with other hyperparameters than {record['class']}(params, "
                 f"**its defaults) gives ({diff}): it did more than call the class, so it is code: "
                 f"{_restate('optimizer', '...')}")
 
@@ -165,7 +165,7 @@ def rebuild_param_groups(record: Mapping[str, Any]) -> Optional[NamedOverrides]:
     table: Dict[str, Dict[str, Any]] = {}
     for g in record["groups"]:
         if g.get("unrecorded"):
-            raise RebuildError(f"param_groups ({record['param_groups']}) gave {_names(g['params'])} overrides that "
+            raise RebuildError(f"param_groups ({record['param_groups']}) gave {name_list(g['params'])} overrides that "
                                f"are not data ({', '.join(g['unrecorded'])}): {_restate('param_groups', '...')}")
         if g["overrides"]:
             table.update({name: g["overrides"] for name in g["params"]})
@@ -211,8 +211,3 @@ def check_scheduler(rebuilt: Callable[[Any], Any], optimizer: Any, record: Mappi
     if held != set(record["current"]):
         raise RebuildError(f"the checkpoint's LR scheduler {record['class']} records {sorted(record['current'])} "
                            f"but holds {sorted(held)}: {_restate('scheduler', '...')}")
-
-
-def _names(names: List[str], shown: int = 3) -> str:
-    more = f" (+{len(names) - shown} more)" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more

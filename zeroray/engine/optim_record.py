@@ -56,6 +56,12 @@ def qualified_name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
+def name_list(names: List[str], shown: int = 3) -> str:
+    """The first few of ``names`` for a message: ``a, b, c (+4 more)``."""
+    more = f" (+{len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def group_key(overrides: Mapping[str, Any]) -> str:
     """The key of the param group that ``overrides`` (what ``param_groups(name, param)`` returned)
     give: equal overrides, one group (engine/optim.py's ``Segment.key``)."""
@@ -250,6 +256,32 @@ def merge_parts(parts: List[Mapping[str, Any]], spec: Any, param_groups: Optiona
         "param_groups": qualified_name(param_groups) if param_groups is not None else None,
         "scheduler": next((p["scheduler"] for p in parts if p["scheduler"] is not None), None),
     }
+
+
+_RECORD_FIELDS = {"version": int, "spec": dict, "class": (str, type(None)), "defaults": dict, "unrecorded": list,
+                  "state_keys": (list, type(None)), "groups": list, "param_groups": (str, type(None)),
+                  "scheduler": (dict, type(None))}
+_GROUP_FIELDS = {"key": str, "overrides": dict, "unrecorded": list, "params": list, "initial": (dict, type(None)),
+                 "current": (dict, type(None))}
+
+
+def check_record(record: Any, source: Any) -> None:
+    """ValueError, saying what is wrong and what to do, unless ``record`` has the record's form."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{source}: the checkpoint's optimizer record is damaged ({what}); restore with "
+                          "optimizer=, param_groups= and scheduler= given, or load another checkpoint")
+
+    if not isinstance(record, dict):
+        raise bad(f"a {type(record).__name__}, not an object")
+    if record.get("version") != RECORD_VERSION:
+        raise bad(f"version {record.get('version')!r}, this zeroray reads {RECORD_VERSION}")
+    for name, types in _RECORD_FIELDS.items():
+        if not isinstance(record.get(name, ...), types):
+            raise bad(f"field {name!r}")
+    for g in record["groups"]:
+        for name, types in _GROUP_FIELDS.items():
+            if not isinstance(g, dict) or not isinstance(g.get(name, ...), types):
+                raise bad(f"a param group's field {name!r}")
 
 
 def with_plan(tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any], plan: Mapping[str, Any]

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequ
 from zeroray.config import AdamW
 from zeroray.engine.optim_rebuild import (RebuildError, check_scheduler, rebuild_optimizer, rebuild_param_groups,
                                           rebuild_scheduler)
-from zeroray.engine.optim_record import probe, probe_state_keys
+from zeroray.engine.optim_record import check_record, name_list, probe, probe_state_keys
 
 log = logging.getLogger("zeroray")
 
@@ -79,6 +79,8 @@ def choose(record: Optional[Mapping[str, Any]], source: Any, given: Mapping[str,
     builds; ``given``: what the caller passed of optimizer, param_groups, scheduler (None: not
     given). Raises RebuildError (a ValueError) for what cannot be rebuilt, before any worker starts."""
     named = {k: v for k, v in given.items() if k in PARTS and v is not None}
+    if record is not None:
+        check_record(record, source)
     if record is None:
         if "optimizer" not in named:
             log.warning("zeroray: restore: %s does not say which optimizer it was saved with (it was saved before "
@@ -128,9 +130,6 @@ def _same(a: Any, b: Any) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-_MISSING = object()
-
-
 def plan_load(record: Optional[Mapping[str, Any]], scalars: Sequence[Mapping[str, Any]],
               live: Mapping[str, Any], choice: RestoreChoice, fresh: bool = False) -> LoadPlan:
     """What a load of a checkpoint takes of its optimizer: ``record`` its optimizer record (None
@@ -145,12 +144,21 @@ def plan_load(record: Optional[Mapping[str, Any]], scalars: Sequence[Mapping[str
         return _plan_without_record(scalars)
     check_state_fits(record, live)
     lines: List[str] = []
+    changed = set()  # what differs from the checkpoint's: only what the caller gave may
     if record["class"] != live["class"] and live["class"] is not None:
+        changed.add("optimizer")
         lines.append(f"restore: optimizer {_short(record['class'])} -> {_short(live['class'])} "
                      "(from optimizer= given to restore); its state loads, the keys fit")
     sched_fresh, sched_state, sched_lines = _plan_scheduler(record["scheduler"], live["scheduler"], choice)
-    groups, group_lines = _plan_groups(record, live, choice, sched_fresh)
-    lines += group_lines + sched_lines
+    changed |= {"scheduler"} if sched_lines else set()
+    groups, changes = _plan_groups(record, live, choice, sched_fresh)
+    changed |= {c[3] for _, group_changes in changes for c in group_changes}
+    lines += _change_lines(live, changes) + sched_lines
+    if changed - choice.given:
+        # the trainer was built from another checkpoint's record (a fallback restore's newest)
+        raise ValueError(f"restore: this checkpoint was saved with another {' and '.join(sorted(changed - choice.given))}"
+                         " than the one restore rebuilt (from the newest checkpoint's record): restore this checkpoint "
+                         "by its own path, or pass optimizer=, param_groups= and scheduler=")
     if not lines and not (choice.given & {"optimizer", "param_groups"}):
         sched = record["scheduler"]
         lines.append(f"restore: optimizer {describe(record)}, {len(record['groups'])} param group(s)"
@@ -170,50 +178,67 @@ def _plan_without_record(scalars: Sequence[Mapping[str, Any]]) -> LoadPlan:
     return LoadPlan(groups=groups, scheduler=sched)
 
 
+_Changes = List[Tuple[Mapping[str, Any], List[Tuple[str, Any, Any, str]]]]  # (group, [(key, old, new, source)])
+
+
 def _plan_groups(record: Mapping[str, Any], live: Mapping[str, Any], choice: RestoreChoice,
-                 sched_fresh: bool) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
-    """Each live group's hyperparameters: changed by what was given, else the checkpoint's current."""
+                 sched_fresh: bool) -> Tuple[Dict[str, Dict[str, Any]], _Changes]:
+    """Each live group's hyperparameters, by group key: what the new build changed, else the
+    checkpoint's current value (the checkpoint's group is found by the live group's parameters);
+    and the changes, per group."""
     old_of = {name: g for g in record["groups"] for name in g["params"]}
     table: Dict[str, Dict[str, Any]] = {}
-    changes: List[Tuple[Dict[str, Any], List[Tuple[str, Any, Any, str]]]] = []
+    changes: _Changes = []
     for g in live["groups"]:
         olds = list({id(old_of[n]): old_of[n] for n in g["params"] if n in old_of}.values())
-        current, initial = g["current"] or {}, g["initial"]
         values: Dict[str, Any] = {}
         changed: List[Tuple[str, Any, Any, str]] = []
-        for k, new in current.items():
-            scheduler_owned = initial is not None and (k not in initial or not _same(initial[k], new)) or k == "lr"
-            if sched_fresh and scheduler_owned:
-                values[k] = new  # a new schedule starts from the values its construction set
+        for k, new in (g["current"] or {}).items():
+            if sched_fresh and _scheduler_owned(k, new, g["initial"]):
+                values[k] = new  # a new schedule starts from what its construction set
                 continue
-            seen = {json.dumps([o["initial"].get(k, None) if o["initial"] is not None else "?",
-                                (o["current"] or {}).get(k, _MISSING) is _MISSING, (o["current"] or {}).get(k)],
-                               sort_keys=True) for o in olds}
-            if not olds or len(seen) > 1:
-                values[k] = new
-                if olds:
-                    changed.append((k, "(differed between the checkpoint's groups)", new, _source(k, g, olds, choice)))
-                continue
-            old = olds[0]
-            old_initial, old_current = old["initial"], old["current"] or {}
-            if (initial is not None and old_initial is not None and k in initial
-                    and not _same(initial[k], old_initial.get(k))):
-                values[k] = new
-                changed.append((k, old_current.get(k, old_initial.get(k)), new, _source(k, g, olds, choice)))
-            else:
-                values[k] = old_current.get(k, new)
+            values[k], before = _resolve(k, new, g["initial"], olds)
+            if before is not _UNCHANGED:
+                changed.append((k, before, new, _source(k, g, olds, choice)))
         table[g["key"]] = values
         if changed:
             changes.append((g, changed))
-    return table, _change_lines(live, changes)
+    return table, changes
+
+
+_UNCHANGED = object()
+
+
+def _scheduler_owned(k: str, value: Any, initial: Optional[Mapping[str, Any]]) -> bool:
+    """Whether a group's ``k`` is the scheduler's: lr, or one its construction added or moved."""
+    return k == "lr" or (initial is not None and (k not in initial or not _same(initial[k], value)))
+
+
+def _resolve(k: str, new: Any, initial: Optional[Mapping[str, Any]], olds: List[Mapping[str, Any]]
+             ) -> Tuple[Any, Any]:
+    """(the value of hyperparameter ``k`` of a live group built with ``new`` (as built:
+    ``initial``), what it changes from, or _UNCHANGED) given the checkpoint's groups ``olds``
+    of its parameters."""
+    if not olds:
+        return new, _UNCHANGED  # no parameter of it was in the checkpoint's groups
+    seen = {json.dumps([o["initial"].get(k) if o["initial"] is not None else "?",
+                        k in (o["current"] or {}), (o["current"] or {}).get(k)], sort_keys=True) for o in olds}
+    if len(seen) > 1:
+        return new, "(differed between the checkpoint's groups)"
+    old_initial, old_current = olds[0]["initial"], olds[0]["current"] or {}
+    if initial is not None and old_initial is not None and k in initial and not _same(initial[k], old_initial.get(k)):
+        return new, old_current.get(k, old_initial.get(k))  # the caller restated it
+    return old_current.get(k, new), _UNCHANGED
 
 
 def _source(k: str, group: Mapping[str, Any], olds: List[Mapping[str, Any]], choice: RestoreChoice) -> str:
+    """Which of what restore was given changes ``k``: param_groups where it is an override."""
     in_overrides = k in group["overrides"] or any(k in o["overrides"] for o in olds)
-    return "param_groups" if in_overrides and "param_groups" in choice.given else "optimizer"
+    return "param_groups" if in_overrides and ("param_groups" in choice.given or "optimizer" not in choice.given) \
+        else "optimizer"
 
 
-def _change_lines(live: Mapping[str, Any], changes: List[Tuple[Mapping[str, Any], List[Tuple]]]) -> List[str]:
+def _change_lines(live: Mapping[str, Any], changes: _Changes) -> List[str]:
     """One log line for a change every group shares, else one per group."""
     if not changes:
         return []
@@ -227,7 +252,7 @@ def _change_lines(live: Mapping[str, Any], changes: List[Tuple[Mapping[str, Any]
     texts = [text(c) for _, c in changes]
     if len(changes) == len(live["groups"]) and len(set(texts)) == 1:
         return [f"restore: optimizer {name}: {texts[0]}"]
-    return [f"restore: optimizer {name}, param group of {_names(g['params'])}: {t}" for (g, _), t in zip(changes, texts)]
+    return [f"restore: optimizer {name}, param group of {name_list(g['params'])}: {t}" for (g, _), t in zip(changes, texts)]
 
 
 def _plan_scheduler(old: Optional[Mapping[str, Any]], new: Optional[Mapping[str, Any]], choice: RestoreChoice
@@ -264,8 +289,3 @@ def _value(v: Any) -> str:
     if isinstance(v, list):
         return "(" + ", ".join(_value(x) for x in v) + ")"
     return repr(v) if isinstance(v, str) and not v.startswith("(") else str(v)
-
-
-def _names(names: List[str], shown: int = 3) -> str:
-    more = f" (+{len(names) - shown} more)" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
