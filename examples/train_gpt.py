@@ -41,7 +41,8 @@ from zeroray.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoin
 # checkpoint's AdamW, its hyperparameters and state (zr.Trainer.restore without optimizer=); either
 # flag restates it (AdamW with the flags given and the defaults for the others), and zeroray logs
 # which hyperparameters that changes. So a resume that leaves out the --lr the run was started
-# with keeps that lr, instead of the script's default.
+# with keeps that lr, instead of the script's default. (A checkpoint from before zeroray recorded
+# the optimizer gets the script's AdamW from the flags, as it did then.)
 # Nothing is lost by a mistake on the command line: a --resume with no checkpoint to read, or a
 # fresh run into a --checkpoint-dir that already holds one (whose saves would prune it), is
 # refused before anything starts or is written.
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
         checkpoint=zr.CheckpointConfig(path=args.checkpoint_dir, every_steps=args.checkpoint_every,
                                        keep=args.keep_checkpoints),
         seed=args.seed, metrics_path=args.metrics)
-    chosen = optimizer(args, resuming=resume_from is not None)
+    # a checkpoint from before zeroray recorded its optimizer gets this script's, as it was then
+    chosen = optimizer(args, resuming=resume_from is not None and load_manifest(resume_from).optimizer is not None)
     if resume_from is None:
         trainer = zr.Trainer(lambda: gpt.GPT(cfg), gpt.gpt_loss, optimizer=chosen, **options)
     else:
@@ -162,8 +164,10 @@ def main(argv=None) -> int:
         saved = load_manifest(resume_from)
         print(f"resumed from {resume_from}: step {trainer.step_count} of {args.steps}, saved by "
               f"{saved.world_size} worker(s), continuing with {trainer.num_workers}", flush=True)
+        restated = args.lr is not None or args.adam_eps is not None
         print(f"optimizer: {trainer.controller.spec.optimizer!r}"
-              + (" (the checkpoint's)" if chosen is None else " (restated by --lr/--adam-eps)"), flush=True)
+              + (" (the checkpoint's)" if chosen is None else " (restated by --lr/--adam-eps)" if restated
+                 else " (this script's: the checkpoint does not record one)"), flush=True)
     # The whole run's batches: fit skips the data_position a restored checkpoint had consumed.
     data = gpt.CharBatches(args.batch_size, args.seq_len, args.steps, seed=args.seed)
     until = args.steps if args.stop_after is None else min(args.steps, args.stop_after)

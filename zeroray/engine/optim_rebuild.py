@@ -32,7 +32,7 @@ from torch.optim import lr_scheduler
 
 from zeroray.config import optimizer_spec_class
 from zeroray.engine.optim_record import (PER_GROUP_STATE, decode, decode_hyperparameters, hyperparameters,
-                                         name_list, probe, qualified_name)
+                                         load_scheduler_state, name_list, probe, qualified_name)
 
 
 class RebuildError(ValueError):
@@ -199,8 +199,6 @@ def rebuild_scheduler(record: Mapping[str, Any]) -> TorchScheduler:
 def check_scheduler(rebuilt: Callable[[Any], Any], optimizer: Any, record: Mapping[str, Any]) -> None:
     """RebuildError unless the recorded state, loaded into ``rebuilt`` built on a probe of
     ``optimizer`` (a spec), is all of its state: nothing it holds is left at the placeholders."""
-    from zeroray.engine.optim_record import load_scheduler_state
-
     builder = optimizer.build if hasattr(optimizer, "build") else optimizer
     built, _ = probe(builder, [{}])
     if built is None:

@@ -41,9 +41,12 @@ from __future__ import annotations
 
 import collections
 import json
+from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
+
+from zeroray.config import optimizer_spec_class
 
 RECORD_VERSION = 1
 PER_GROUP_STATE = ("base_lrs", "_last_lr")  # a scheduler's lists, one entry per param group
@@ -223,10 +226,6 @@ def record_part(builder: Callable[[Any], Any], scheduler_fn: Optional[Callable[[
 
 def describe_spec(spec: Any) -> Dict[str, Any]:
     """What the Trainer was given as the optimizer: zeroray's spec by class and fields, or a callable's name."""
-    from dataclasses import fields, is_dataclass
-
-    from zeroray.config import optimizer_spec_class
-
     if is_dataclass(spec) and optimizer_spec_class(type(spec).__name__) is type(spec):
         values, unrecorded = encode_mapping({f.name: getattr(spec, f.name) for f in fields(spec)})
         if not unrecorded:
@@ -234,8 +233,7 @@ def describe_spec(spec: Any) -> Dict[str, Any]:
     return {"kind": "callable", "name": qualified_name(spec)}
 
 
-def merge_parts(parts: List[Mapping[str, Any]], spec: Any, param_groups: Optional[Callable],
-                ) -> Dict[str, Any]:
+def merge_parts(parts: List[Mapping[str, Any]], spec: Any, param_groups: Optional[Callable]) -> Dict[str, Any]:
     """The whole record from every rank's ``record_part``: groups merged by key (their params
     in rank order), the rest from the first rank that has it."""
     groups: Dict[str, Dict[str, Any]] = {}
