@@ -154,8 +154,9 @@ def _run_script(args: list[str], timeout_s: float = 120) -> subprocess.Completed
 @pytest.mark.slow
 def test_resume_without_optimizer_flags_goes_on_with_the_saved_optimizer(tmp_path):
     """The same stop and --resume on a local embedded Ray (no cluster, no job): the resumed run
-    leaves --lr and --adam-eps out and must train on with the first run's (before the optimizer
-    record it trained on with the script's default --lr, 3e-3, and its steps were 1e-3 off)."""
+    leaves --lr and --adam-eps out and must train on with the first run's. Before the optimizer
+    record it trained on with the script's defaults (lr 3e-3, eps 1e-8): losses up to 1.2e-4
+    relative off from step 5 on, the final parameters 3.9e-3."""
     ckpt = tmp_path / "ckpt"
     for run, args in enumerate(([*OPTIMIZER_ARGS, "--stop-after", str(K)], ["--resume", "latest"]), start=1):
         out = _run_script([*MODEL_ARGS, *args, "--num-workers", "2", "--checkpoint-dir", str(ckpt),
