@@ -364,3 +364,22 @@ def test_a_damaged_record_says_so(damage):
     damage(record)
     with pytest.raises(ValueError, match="ckpt: the checkpoint's optimizer record is damaged"):
         choose(record, "ckpt", {})
+
+
+def test_a_restated_scheduler_takes_its_new_arguments_and_the_saved_position():
+    """StepLR(step_size=2) saved after 3 steps, restated as StepLR(step_size=3): step_size 3, the
+    step count 3 (so the next decay comes at step 6); one of another class starts over."""
+    opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    recipe = dict(optimizer=opt, scheduler=lambda o: L.StepLR(o, step_size=2, gamma=0.5))
+    e = engine(**recipe)
+    train(e, BATCHES[:3])
+    saved = as_saved(e, recipe)
+    again, plan = restored(saved, {"optimizer": opt, "scheduler": lambda o: L.StepLR(o, step_size=3, gamma=0.5)})
+    assert plan.lines == ("restore: scheduler StepLR: step_size 2 -> 3 (from scheduler= given to restore); "
+                          "its step counts load",)
+    sched = again.optimizer.scheduler
+    assert (sched.step_size, sched.last_epoch, again.optimizer.inner.param_groups[0]["lr"]) == (3, 3, 0.05)
+    other, plan = restored(saved, {"optimizer": opt, "scheduler": lambda o: L.ExponentialLR(o, gamma=0.9)})
+    assert plan.lines == ("restore: scheduler ExponentialLR (from scheduler= given to restore) starts from its "
+                          "beginning (the checkpoint's StepLR)",)
+    assert other.optimizer.scheduler.last_epoch == 0 and other.optimizer.inner.param_groups[0]["lr"] == 0.1

@@ -203,7 +203,11 @@ def check_scheduler(rebuilt: Callable[[Any], Any], optimizer: Any, record: Mappi
     built, _ = probe(builder, [{}])
     if built is None:
         return  # the workers' build says what is wrong with the optimizer
-    scheduler = rebuilt(built)
+    try:
+        scheduler = rebuilt(built)
+    except Exception as error:  # noqa: BLE001 - torch's own reason, said as what to do
+        raise RebuildError(f"the checkpoint's LR scheduler {record['class']} cannot be built on this optimizer "
+                           f"({type(error).__name__}: {error}): {_restate('scheduler', '...')}") from None
     load_scheduler_state(scheduler, record["current"])
     held = set(scheduler.state_dict()) - set(PER_GROUP_STATE)
     if held != set(record["current"]):

@@ -259,7 +259,8 @@ def _plan_scheduler(old: Optional[Mapping[str, Any]], new: Optional[Mapping[str,
                     ) -> Tuple[bool, Optional[Dict[str, Any]], List[str]]:
     """(whether the scheduler starts fresh, the state to load, log lines)."""
     if new is None:
-        return old is not None, None, []
+        return (old is not None, None,
+                [f"restore: the checkpoint's scheduler {_short(old['class'])} is not used"] if old is not None else [])
     if old is None or old["class"] != new["class"]:
         was = f"the checkpoint's {_short(old['class'])}" if old is not None else "the checkpoint had none"
         return True, None, [f"restore: scheduler {_short(new['class'])} (from scheduler= given to restore) starts from "
