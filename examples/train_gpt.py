@@ -37,9 +37,27 @@ from zeroray.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoin
 # and the same model shape (zeroray's restore checks it).
 # --stop-after K ends a run after step K, saved, as a preemption or a time limit would: the run
 # is unfinished, and --resume takes it on to --steps.
+# The optimizer goes on as it was saved: a --resume without --lr or --adam-eps restores the
+# checkpoint's AdamW, its hyperparameters and state (zr.Trainer.restore without optimizer=); either
+# flag restates it (AdamW with the flags given and the defaults for the others), and zeroray logs
+# which hyperparameters that changes. So a resume that leaves out the --lr the run was started
+# with keeps that lr, instead of the script's default. (A checkpoint from before zeroray recorded
+# the optimizer gets the script's AdamW from the flags, as it did then.)
 # Nothing is lost by a mistake on the command line: a --resume with no checkpoint to read, or a
 # fresh run into a --checkpoint-dir that already holds one (whose saves would prune it), is
 # refused before anything starts or is written.
+
+
+LR, ADAM_EPS = 3e-3, 1e-8  # a fresh run's optimizer: AdamW(lr=LR, eps=ADAM_EPS, weight_decay=0.0)
+
+
+def optimizer(args, resuming: bool):
+    """The optimizer the flags ask for; None on a --resume that gives neither --lr nor --adam-eps:
+    the checkpoint's, as it was saved ([Note: resuming the main job])."""
+    if resuming and args.lr is None and args.adam_eps is None:
+        return None
+    return zr.AdamW(lr=LR if args.lr is None else args.lr, eps=ADAM_EPS if args.adam_eps is None else args.adam_eps,
+                    weight_decay=0.0)
 
 
 def parse_args(argv=None):
@@ -53,8 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's eps")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"AdamW's lr (default {LR}; with --resume, the checkpoint's unless given)")
+    p.add_argument("--adam-eps", type=float, default=None,
+                   help=f"AdamW's eps (default {ADAM_EPS}; with --resume, the checkpoint's unless given)")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--activation-checkpointing", action="store_true")
@@ -121,7 +141,6 @@ def main(argv=None) -> int:
     cfg = gpt.GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
     t0 = time.perf_counter()
     options = dict(
-        optimizer=zr.AdamW(lr=args.lr, eps=args.adam_eps, weight_decay=0.0),
         zero=zr.ZeroConfig(stage=args.stage, dtype=args.dtype, grad_accum_steps=args.grad_accum,
                            max_grad_norm=args.max_grad_norm,
                            activation_checkpointing=(gpt.Block,) if args.activation_checkpointing else False),
@@ -130,10 +149,12 @@ def main(argv=None) -> int:
         checkpoint=zr.CheckpointConfig(path=args.checkpoint_dir, every_steps=args.checkpoint_every,
                                        keep=args.keep_checkpoints),
         seed=args.seed, metrics_path=args.metrics)
+    # a checkpoint from before zeroray recorded its optimizer gets this script's, as it was then
+    chosen = optimizer(args, resuming=resume_from is not None and load_manifest(resume_from).optimizer is not None)
     if resume_from is None:
-        trainer = zr.Trainer(lambda: gpt.GPT(cfg), gpt.gpt_loss, **options)
+        trainer = zr.Trainer(lambda: gpt.GPT(cfg), gpt.gpt_loss, optimizer=chosen, **options)
     else:
-        trainer = zr.Trainer.restore(resume_from, lambda: gpt.GPT(cfg), gpt.gpt_loss, **options)
+        trainer = zr.Trainer.restore(resume_from, lambda: gpt.GPT(cfg), gpt.gpt_loss, optimizer=chosen, **options)
     for w in trainer.workers:
         print(f"worker {w['rank']} on node {w['node_id']} ({w['ip']})", flush=True)
     n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
@@ -143,6 +164,10 @@ def main(argv=None) -> int:
         saved = load_manifest(resume_from)
         print(f"resumed from {resume_from}: step {trainer.step_count} of {args.steps}, saved by "
               f"{saved.world_size} worker(s), continuing with {trainer.num_workers}", flush=True)
+        restated = args.lr is not None or args.adam_eps is not None
+        print(f"optimizer: {trainer.controller.spec.optimizer!r}"
+              + (" (the checkpoint's)" if chosen is None else " (restated by --lr/--adam-eps)" if restated
+                 else " (this script's: the checkpoint does not record one)"), flush=True)
     # The whole run's batches: fit skips the data_position a restored checkpoint had consumed.
     data = gpt.CharBatches(args.batch_size, args.seq_len, args.steps, seed=args.seed)
     until = args.steps if args.stop_after is None else min(args.steps, args.stop_after)

@@ -44,6 +44,7 @@ from zeroray.engine.grad_intake import GradIntake
 from zeroray.engine.inference import evaluation, run_call
 from zeroray.engine.model_build import build_model, load_saved_weights
 from zeroray.engine.optim import DiskOffload, LossScaler, ShardedOptimizer, build_segments, local_spans
+from zeroray.engine.optim_record import record_part
 from zeroray.engine.precision import MixedPrecision, load_untrained
 from zeroray.engine.step_result import StepStats, check_loss, skips
 from zeroray.engine.storage import build_storage
@@ -101,8 +102,11 @@ class Engine:
         # before any user callback (param_groups) may read a parameter
         self.coordinator = build_coordinator(policy, self.model, self.layout, s, group, self.waiter,
                                              zero, named, self.reducer)
-        segments = build_segments(local_spans(s.param_spans(), named, param_groups), self.master.numel(),
-                                  breaks=self.master.breaks())
+        spans = local_spans(s.param_spans(), named, param_groups)
+        # what param_groups gave each local parameter: a checkpoint records it ([Note: optimizer record])
+        self.param_overrides = {name: overrides for name, (_, _, overrides) in zip(s.param_spans(), spans)}
+        self.scheduler_fn = scheduler
+        segments = build_segments(spans, self.master.numel(), breaks=self.master.breaks())
         self.optimizer = ShardedOptimizer(optimizer, self.master, self.grad, segments, zero.max_grad_norm, scheduler,
                                           param_spans=s.param_spans(), offload=offload)
         self.bucket_learning = BucketLearning(self.reducer, zero)
@@ -308,6 +312,13 @@ class Engine:
         returns them, and the update waits until Ray has stored them ([Note: overlapped snapshot
         copy] in runtime/snapshot.py)."""
         return state.export_state(self.storage, self.optimizer, self.step_count, self.scaler, live)
+
+    def optimizer_record(self) -> Dict[str, Any]:
+        """This rank's part of the optimizer record a checkpoint holds ([Note: optimizer record]
+        in engine/optim_record.py): its param groups' values now, and the spec's as built."""
+        opt = self.optimizer
+        return record_part(opt.builder, self.scheduler_fn, opt.groups_by_key(), opt.scheduler, self.param_overrides,
+                           self.device)
 
     def state_layout(self) -> Tuple[FlatLayout, int]:
         """The (layout, rank) whose shard coordinates import_state expects: stage 0 wants everything."""

@@ -21,7 +21,6 @@ The same class serves stage 0, where the "shard" is the whole model.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -29,6 +28,8 @@ import torch
 
 from zeroray.engine.flat_pieces import FlatPieces
 from zeroray.engine.flat_state import FlatState
+from zeroray.engine.optim_record import decode_hyperparameters, group_key, hyperparameters, load_scheduler_state, \
+    scheduler_state
 from zeroray.layout.local_shard import LocalShard
 from zeroray.offload.master import DiskMaster
 from zeroray.offload.stepper import DiskStepper, make_stepper
@@ -51,7 +52,7 @@ class Segment:
 
     @property
     def key(self) -> str:
-        return json.dumps(dict(self.overrides), sort_keys=True, default=str)
+        return group_key(dict(self.overrides))
 
 
 class LossScaleError(RuntimeError):
@@ -176,6 +177,11 @@ class ShardedOptimizer:
             if on_disk:
                 master.attach(self.disk)  # the initial values move into the master file
 
+    def groups_by_key(self) -> Dict[str, Dict[str, Any]]:
+        """Each torch param group by the key of its overrides (``Segment.key``): what a
+        checkpoint records ([Note: optimizer record] in engine/optim_record.py)."""
+        return {seg.key: g for seg, g in zip(self.segments, self.inner.param_groups)}
+
     @property
     def flat_params(self) -> List[torch.nn.Parameter]:
         """The flat parameters the inner optimizer steps (one per segment until a split)."""
@@ -295,10 +301,10 @@ class ShardedOptimizer:
                 scalars[f"optim.{k}"] = float(v) if isinstance(v, (torch.Tensor, int, float)) else v
         if self.uneven:
             scalars["optim_per_element"] = per_element
-        scalars["group_lr"] = {seg.key: g["lr"] for seg, g in zip(self.segments, self.inner.param_groups)}
+        # every group's hyperparameters, as torch's state_dict() holds them ([Note: optimizer record])
+        scalars["groups"] = {key: hyperparameters(g) for key, g in self.groups_by_key().items()}
         if self.scheduler is not None:
-            scalars["scheduler"] = {k: v for k, v in self.scheduler.state_dict().items()
-                                    if isinstance(v, (int, float, bool, str))}
+            scalars["scheduler"] = scheduler_state(self.scheduler)
         return tensors, scalars
 
     def import_state(self, tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any]) -> None:
@@ -364,19 +370,17 @@ class ShardedOptimizer:
             if entry:
                 state[index[id(pc.param)]] = entry
         sd["state"] = state
-        lrs = scalars.get("group_lr", {})
+        table = scalars.get("groups")
+        if table is None:  # a checkpoint from before the optimizer record carries each group's lr only
+            table = {key: {"lr": lr} for key, lr in scalars.get("group_lr", {}).items()}
         for seg, g in zip(self.segments, sd["param_groups"]):
-            if seg.key in lrs:
-                g["lr"] = lrs[seg.key]
+            g.update(decode_hyperparameters(table.get(seg.key, {})))
         self.inner.load_state_dict(sd)
         if self.disk is not None:
             self.disk.spill(self.inner, self.pieces.pieces)
         self.uneven = per_element is not None
-        if self.scheduler is not None and "scheduler" in scalars:
-            sd = self.scheduler.state_dict()
-            sd.update(scalars["scheduler"])
-            sd["_last_lr"] = [g["lr"] for g in self.inner.param_groups]
-            self.scheduler.load_state_dict(sd)
+        if self.scheduler is not None and scalars.get("scheduler") is not None:
+            load_scheduler_state(self.scheduler, scalars["scheduler"])
 
     def _probe_stateless_groups(self) -> Dict[str, bool]:
         """The state keys (-> whether per element) of the param groups none of whose pieces has

@@ -48,11 +48,13 @@ import ray
 from zeroray.layout.arena import FlatLayout
 from zeroray.config import ScalingConfig, ZeroConfig
 from zeroray.engine.batch import batch_size, split_batch
+from zeroray.engine.optim_record import merge_parts
 from zeroray.runtime.batch_transport import PackedBatch
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.data import evaluation_batches
 from zeroray.runtime.failures import PlacementError, WorkerSetupError, is_worker_failure
 from zeroray.runtime.messages import WorkerSpec
+from zeroray.runtime.optimizer_restore import LoadPlan, RestoreChoice, plan_load
 from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
 from zeroray.runtime.sequencer import Cancelled
 from zeroray.runtime.snapshot import Snapshot, SnapshotKeeper
@@ -95,6 +97,10 @@ class Controller:
         self.recoveries: List[Dict[str, Any]] = []    # fit: one record per restart (cause, timing, size)
         self.in_flight = 0                         # steps sent and not yet collected
         self._fit_origin = (0, 0)                  # (step_count, data_position) where this fit began
+        # what the optimizer was built from and which of it was given: Trainer.restore's choice,
+        # which every load of a checkpoint follows ([Note: restoring the optimizer] in optimizer_restore.py)
+        self.restore_choice = RestoreChoice(spec.optimizer, spec.param_groups, spec.scheduler)
+        self._fresh_at: Optional[str] = None       # the checkpoint a fresh_optimizer restore started from
         ship_by_value(spec)  # before the first actor: [Note: shipping model code]
         self._start(scaling.num_workers)
 
@@ -497,7 +503,9 @@ class Controller:
             fields = ManifestFields(layout=self.layout, data_position=self.data_position,
                                     config={"zero": repr(self.zero), "scaling": repr(self.scaling),
                                             "seed": self.spec.seed},
-                                    extra={"state_dict_keys": self.state_dict_keys})
+                                    extra={"state_dict_keys": self.state_dict_keys},
+                                    optimizer=merge_parts([o[2] for o in outs], self.spec.optimizer,
+                                                          self.spec.param_groups))
             self.last_checkpoint = commit(root, self.step_count, fields, infos, keep=keep)
             self.last_checkpoint_step = self.step_count
         except Exception as error:
@@ -526,10 +534,25 @@ class Controller:
         step_dir = checkpoint_dir(path)  # every worker reads the same step, even if a save lands now
         manifest = load_manifest(step_dir)
         group = self.group
-        steps = group.wait_all(group.call("load_checkpoint", step_dir), None, "restore")
+        plan = self._optimizer_plan(manifest, step_dir)
+        steps = group.wait_all(group.call("load_checkpoint", step_dir, plan.for_workers()), None, "restore")
         self.step_count = steps[0]
         self.data_position = int(manifest.data_position or 0)
         self.last_checkpoint, self.last_checkpoint_step = step_dir, steps[0]
+
+    def _optimizer_plan(self, manifest: Any, step_dir: Any) -> LoadPlan:
+        """What loading ``step_dir`` takes of its optimizer, given the workers' own build and
+        what the trainer was given ([Note: restoring the optimizer] in optimizer_restore.py); logged."""
+        group = self.group
+        parts = group.wait_all(group.call("optimizer_record"), None, "restore: the optimizer as built")
+        live = merge_parts(parts, self.spec.optimizer, self.spec.param_groups)
+        fresh = self.restore_choice.fresh_optimizer and self._fresh_at in (None, str(step_dir))
+        plan = plan_load(manifest.optimizer, manifest.scalars, live, self.restore_choice, fresh)
+        if fresh:
+            self._fresh_at = str(step_dir)  # only this checkpoint: the ones saved since hold the new state
+        for line in plan.lines:
+            log.info("zeroray: %s", line)
+        return plan
 
     def verify(self, step_dir: Any) -> None:
         """Every worker checks its share of the checkpoint's files (sizes, sha256) in parallel;

@@ -377,16 +377,26 @@ class Worker:
         tensors, scalars = self.engine.export_state(live=True)
         info = write_shard(root, step, self.rank, tensors, scalars)
         extra = write_extra(root, step, self.engine.untrained_state()) if self.rank == 0 else None
-        return info, extra
+        return info, extra, self.engine.optimizer_record()
 
     @engine_call
-    def load_checkpoint(self, path: str) -> int:
+    def optimizer_record(self) -> Dict[str, Any]:
+        """This rank's part of the optimizer record, as built ([Note: optimizer record] in engine/optim_record.py)."""
+        return self.engine.optimizer_record()
+
+    @engine_call
+    def load_checkpoint(self, path: str, optimizer_plan: Optional[Dict[str, Any]] = None) -> int:
         """This rank's slices of the checkpoint, and the replicated buffers and frozen parameters
-        (its extra tensors, which ``save_shard`` writes from ``untrained_state``)."""
+        (its extra tensors, which ``save_shard`` writes from ``untrained_state``); the optimizer's
+        hyperparameters and scheduler state as ``optimizer_plan`` says ([Note: restoring the
+        optimizer] in runtime/optimizer_restore.py)."""
         from zeroray.checkpoint import load_extra, load_resharded
+        from zeroray.engine.optim_record import with_plan
 
         layout, rank = self.engine.state_layout()
         tensors, scalars = load_resharded(path, layout, rank)
+        if optimizer_plan is not None:
+            tensors, scalars = with_plan(tensors, scalars, optimizer_plan)
         self.engine.import_state(tensors, scalars)
         self.engine.import_untrained(load_extra(path))
         return self.engine.step_count
