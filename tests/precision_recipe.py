@@ -103,7 +103,8 @@ def store_low(model: nn.Module, dtype: torch.dtype) -> None:
         original = module.forward
 
         def forward(*args, _owned=owned, _original=original, **kwargs):
-            args, kwargs = _cast_floats(args, torch.float32), {k: _cast_floats(v, torch.float32) for k, v in kwargs.items()}
+            args = _cast_floats(args, torch.float32)
+            kwargs = {k: _cast_floats(v, torch.float32) for k, v in kwargs.items()}
             stored = [owner._parameters[name] for owner, name in _owned]
             for (owner, name), p in zip(_owned, stored):
                 owner._parameters[name] = p.float()
@@ -141,9 +142,10 @@ def train(model_fn: Callable[[], nn.Module], loss_fn: Callable, batches: List[An
     Two ways to change only the float arithmetic's order: ``reverse_rows``, each rank's share in
     reverse row order (every mean and sum over rows is the same in exact arithmetic); ``fused``,
     torch's fused AdamW kernel instead of its default one (the same update, computed in another
-    order; under fp16 ``GradScaler`` then hands the kernel the scale to unscale by). Returns the global loss and the fp32 master after every step,
-    the loss scale after each step and whether it was skipped (fp16), the final buffers, and
-    ``lowered`` (``build``'s dtypes)."""
+    order; under fp16 ``GradScaler`` then hands the kernel the scale to unscale by).
+
+    Returns the global loss and the fp32 master after every step, the loss scale after each step
+    and whether it was skipped (fp16), the final buffers, and ``lowered`` (``build``'s dtypes)."""
     master, model, lowered = built or build(model_fn, dtype, lowering, seed=seed, stored_low=stored_low)
     params = dict(model.named_parameters())
     assert set(params) >= set(master), f"the lowering renamed parameters: {sorted(set(master) - set(params))}"

@@ -252,4 +252,5 @@ def test_the_kept_weights_stored_low_are_the_one_difference(runs, model, dtype):
     # rounded all of them: its effect stays of the size of the dtype's own (within the same 2x a
     # second perturbation of that kind may add, as in the bound above), never more.
     assert max(diff) <= MULTIPLE * max(precision), \
-        f"{model} {dtype}: stored low moves the losses {diff}, more than {MULTIPLE} x the dtype's own effect {precision}"
+        f"{model} {dtype}: stored low moves the losses {diff}, more than {MULTIPLE} x the dtype's own " \
+        f"effect {precision}"
