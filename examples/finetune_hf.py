@@ -40,7 +40,7 @@ from hf_text import InputError
 
 import zeroray as zr
 from zeroray.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints, load_manifest
-from zeroray.hf import export_checkpoint, export_pretrained, pretrained
+from zeroray.hf import INDEX_NAME, SINGLE_NAME, export_checkpoint, export_pretrained, pretrained
 
 # [Note: resuming a fine-tuning run]
 # --resume continues from a sharded checkpoint at any --num-workers, --stage or --dtype, as
@@ -135,6 +135,9 @@ def causal_lm_config(path: str):
         what = "holds no config.json" if os.path.isdir(path) else "is not a directory"
         raise InputError(f"--model {path} {what}: give the directory that model.save_pretrained(dir) wrote "
                          "(config.json, model.safetensors) with tokenizer.save_pretrained(dir) beside it")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in (SINGLE_NAME, INDEX_NAME)):
+        raise InputError(f"--model {path} holds no {SINGLE_NAME} (nor {INDEX_NAME}): save the model with "
+                         "model.save_pretrained(dir), whose safetensors files zeroray reads by slice")
     try:
         config = AutoConfig.from_pretrained(path)
     except (ValueError, OSError) as e:
