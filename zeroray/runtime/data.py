@@ -36,6 +36,8 @@ import uuid
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
+from zeroray.engine.batch import split_sizes
+
 if TYPE_CHECKING:
     from zeroray.runtime.step import PendingStep
     from zeroray.runtime.worker_group import WorkerGroup
@@ -66,10 +68,11 @@ def local_batch_size(global_batch_size: Any, num_workers: int, grad_accum_steps:
         raise ValueError(
             f"fit(dataset): batch_size={global_batch_size} does not split evenly over {num_workers} worker(s). With a "
             "ray.data.Dataset every worker reads its own equal split in local batches of batch_size / num_workers "
-            "rows, so batch_size must be a multiple of the number of workers: use "
+            f"rows, so batch_size must be divisible by {num_workers} (the workers): use "
             + (f"{below} or {above}" if below else f"{above}")
-            + "; or pass fit an iterable of global batches, which zeroray splits unevenly (16 rows over 3 workers: "
-              "6, 5, 5)")
+            + (f"; or pass fit an iterable of global batches, which zeroray splits unevenly ({global_batch_size} rows "
+               f"over {num_workers} workers: {', '.join(map(str, split_sizes(global_batch_size, num_workers)))})"
+               if global_batch_size >= num_workers * grad_accum_steps else ""))
     local = global_batch_size // num_workers
     if local < grad_accum_steps:
         raise ValueError(f"fit(dataset): batch_size={global_batch_size} gives each of the {num_workers} worker(s) "
