@@ -64,7 +64,8 @@ def local_batch_size(global_batch_size: Any, num_workers: int, grad_accum_steps:
         raise ValueError("fit(dataset) with a ray.data.Dataset needs batch_size= (the global batch size, in rows, "
                          f"split evenly over the workers), got {global_batch_size!r}")
     if global_batch_size % num_workers:
-        below, above = global_batch_size // num_workers * num_workers, -(-global_batch_size // num_workers) * num_workers
+        below = global_batch_size // num_workers * num_workers
+        above = below + num_workers
         raise ValueError(
             f"fit(dataset): batch_size={global_batch_size} does not split evenly over {num_workers} worker(s). With a "
             "ray.data.Dataset every worker reads its own equal split in local batches of batch_size / num_workers "

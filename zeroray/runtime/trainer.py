@@ -178,8 +178,9 @@ class Trainer:
                  ) -> Dict[str, float]:
         """The model's loss (and metrics) on ``data``, without training: ``{"loss": ..., **metrics}``.
 
-        ``data``: an iterable of global batches (each split over the workers as in ``step``), or a ``ray.data.Dataset`` read in global batches of ``batch_size`` rows (the
-        last partial one dropped). Every worker runs ``loss_fn(model, its rows)``, and
+        ``data``: an iterable of global batches (each split over the workers as in ``step``), or a
+        ``ray.data.Dataset`` read in global batches of ``batch_size`` rows (the last partial one
+        dropped). Every worker runs ``loss_fn(model, its rows)``, and
         ``metric_fn(model, its rows)`` (a dict of floats or 0-dim tensors) if given, with the model
         in ``eval()`` mode under ``torch.no_grad()``. Per batch, each value is the mean over the
         workers weighted by their rows (the training loss's semantics), then the mean over the batches.
