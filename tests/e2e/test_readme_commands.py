@@ -15,12 +15,23 @@ decimals.
 - Steps 1-100 run the same code on the same data at the same worker count: the printed losses
   are equal (the runs are deterministic on one machine; a checkpoint save changes no value).
 - Steps 101-150 at 3 workers sum the same gradients in another order (three shares of 6, 5, 5
-  rows against two of 8), so they differ from the uninterrupted run by float rounding, which 50
-  AdamW steps carry forward. Measured (the commands with --metrics added, full precision): a
-  largest relative loss difference of REL_MEASURED over steps 101-150. The bound allowed, REL,
-  is that times about 10, plus the 4-decimal rounding of the two printed values; a run that
-  changed its global batch (the README's pair with --batch-size 18 on resume, as a user had to
-  run it before) moves the losses by orders of magnitude more (measured: BATCH18_REL).
+  rows against two of 8), so they start apart by float rounding: measured with --metrics added,
+  1.4e-8 relative on the loss and 7.5e-8 on the gradient norm at step 101, 7.4e-7 on the loss at
+  step 110. Training then amplifies rounding, any rounding: AdamW at the main job's eps 1e-8
+  turns gradients that are zero in exact arithmetic (attention's key bias) and differ only by
+  rounding into updates of about the learning rate. The pair drifts from the one run to 1.5e-4
+  by step 121 and at most 8.3e-3 over steps 101-150 (the mean of the last 10 steps 2.6633
+  against 2.6685). Single-process PyTorch does the same to itself (CONTROL): the main job's
+  model, data and AdamW trained twice, once on the loss of the whole batch and once on the same
+  loss written as the row-weighted mean of its 6-, 5- and 5-row parts, drift apart by up to
+  2.7e-2 over steps 120-150 (6.5e-2 over the run, from 6e-8 at step 3;
+  ``python benchmarks/rounding_drift.py``).
+  So step 110 is held to the printed digits (TIGHT: the 1e-4 that rounding two values a few
+  1e-6 apart to 4 decimals can show), which a resume on other data misses by far (from one
+  batch to the next the main job's loss moves 0.6-12%, median 3.6%, over steps 100-150), and
+  steps 120-150 only to CHAOS, the drift rounding reaches in the control over the run: a check
+  that the run goes on as training, not a test of the split, which steps 1-110 are (and, to
+  1e-5 on a model whose AdamW eps keeps rounding from growing, tests/e2e/test_elastic_resume.py).
 
 The second command (stage 2, 3 workers, 300 steps, --metrics) is checked for its 300 records
 and its 3 workers. Slow: about 5 minutes on an idle 2-core machine, all four trainings together.
@@ -40,10 +51,12 @@ from tests.readme_commands import ROOT, ways_to_run
 
 PLAIN, LONG, STOP, RESUME = ways_to_run()["A local script"]
 STEP_LINE = re.compile(r"^zeroray step (\d+)(?: \(\d+/\d+\))? loss (\d+\.\d{4}) ", re.MULTILINE)
-REL_MEASURED = None  # filled in from the measured run (see the module docstring)
-REL = 1e-4            # allowed relative difference of steps 101-150, before rounding
-PRINTED = 5e-5        # each printed loss is rounded to 4 decimals
-BATCH18_REL = None
+TIGHT = 1e-4  # step 110, absolute: 4-decimal rounding of two losses measured 2e-6 apart
+CHAOS = 7e-2  # steps 120-150, relative: CONTROL's largest drift over the run, 6.5e-2, rounded up
+# CONTROL (`python benchmarks/rounding_drift.py`; the test does not run it): single-process PyTorch,
+# the main job's model, data, AdamW and clipping, 150 steps on the whole batch's loss and on the same
+# loss as the row-weighted mean of 6-, 5- and 5-row parts; relative loss difference at steps 120-150:
+# 3.0e-3, 2.5e-2, 1.2e-2, 5.3e-3 (largest over 120-150: 2.7e-2; over the run: 6.5e-2, at step 72)
 TIMEOUT_S = 1500
 
 pytestmark = pytest.mark.slow
@@ -80,18 +93,14 @@ def test_local_script_commands_as_written(tmp_path):
     assert (tmp_path / "ckpts" / "step_00000150" / "manifest.json").is_file()
     for step, loss in first.items():  # the same run up to the stop, to the printed digit
         assert loss == one[step], f"step {step}: {loss} (stopped run) vs {one[step]} (one run)"
-    worst = 0.0
-    for step, loss in second.items():
-        want = float(one.get(step, "nan")) if step in one else None
-        if want is None:
-            continue  # step 101 is printed by the resumed run only
-        diff = abs(float(loss) - want)
-        worst = max(worst, diff / want)
-        assert diff <= REL * want + 2 * PRINTED, f"step {step}: {loss} (resumed at 3 workers) vs {want} (one run)"
-    print(f"\n  one run (2 workers):  " + " ".join(f"{s}:{one[s]}" for s in sorted(one)))
-    print(f"  stop at 100 (2 w.):   " + " ".join(f"{s}:{first[s]}" for s in sorted(first)))
-    print(f"  resume (3 workers):   " + " ".join(f"{s}:{second[s]}" for s in sorted(second)))
-    print(f"  largest printed relative difference after the resume: {worst:.1e}")
+    apart = {step: abs(float(second[step]) - float(one[step])) for step in range(110, 151, 10)}
+    assert apart[110] <= TIGHT, f"step 110: {second[110]} (resumed at 3 workers) vs {one[110]} (one run)"
+    for step in range(120, 151, 10):
+        assert apart[step] <= CHAOS * float(one[step]), f"step {step}: {second[step]} (resumed) vs {one[step]}"
+    print("\n  one run (2 workers): " + " ".join(f"{s}:{one[s]}" for s in sorted(one)))
+    print("  stop at 100 (2 w.):  " + " ".join(f"{s}:{first[s]}" for s in sorted(first)))
+    print("  resume (3 workers):  " + " ".join(f"{s}:{second[s]}" for s in sorted(second)))
+    print("  |resumed - one run| after the resume: " + " ".join(f"{s}:{d:.4f}" for s, d in apart.items()))
 
     long = _run(LONG, tmp_path)
     records = [json.loads(line) for line in (tmp_path / "runs" / "gpt.jsonl").read_text().splitlines()]
