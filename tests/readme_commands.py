@@ -21,6 +21,11 @@ RUNS = {
     "A notebook": ".ci/run",
     "A job on a Ray cluster": "tests/e2e/test_job_submission.py",
 }
+# Commands .ci/run runs instead of their subsection's test: a long run with nothing to compare,
+# kept out of the pytest suite's time.
+CI_ONLY = {
+    "python examples/train_gpt.py --stage 2 --num-workers 3 --steps 300 --metrics runs/gpt.jsonl",
+}
 # Commands that cannot run unattended, and what runs in their place.
 INTERACTIVE = {
     "pip install jupyterlab && jupyter lab examples/quickstart.ipynb":

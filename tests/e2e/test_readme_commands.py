@@ -33,12 +33,12 @@ decimals.
   that the run goes on as training, not a test of the split, which steps 1-110 are (and, to
   1e-5 on a model whose AdamW eps keeps rounding from growing, tests/e2e/test_elastic_resume.py).
 
-The second command (stage 2, 3 workers, 300 steps, --metrics) is checked for its 300 records
-and its 3 workers. Slow: about 5 minutes on an idle 2-core machine, all four trainings together.
+The second command (stage 2, 3 workers, 300 steps, --metrics) runs in .ci/run (CI_ONLY in
+tests/readme_commands.py), out of the suite's time. Slow: the three trainings, 300 steps of the
+main job, take about 4 minutes on an idle 2-core machine.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.readme_commands import ROOT, ways_to_run
+from tests.readme_commands import CI_ONLY, ROOT, ways_to_run, without_comment
 
 PLAIN, LONG, STOP, RESUME = ways_to_run()["A local script"]
 STEP_LINE = re.compile(r"^zeroray step (\d+)(?: \(\d+/\d+\))? loss (\d+\.\d{4}) ", re.MULTILINE)
@@ -57,9 +57,9 @@ CHAOS = 7e-2  # steps 120-150, relative: CONTROL's largest drift over the run, 6
 # the main job's model, data, AdamW and clipping, 150 steps on the whole batch's loss and on the same
 # loss as the row-weighted mean of 6-, 5- and 5-row parts; relative loss difference at steps 120-150:
 # 3.0e-3, 2.5e-2, 1.2e-2, 5.3e-3 (largest over 120-150: 2.7e-2; over the run: 6.5e-2, at step 72)
-TIMEOUT_S = 1500
+TIMEOUT_S = 1500  # per command: about 1 minute idle, 10 on a loaded machine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT_S)]
 
 
 def _run(command: str, cwd: Path) -> str:
@@ -79,6 +79,7 @@ def _losses(log: str) -> dict[int, str]:
 
 
 def test_local_script_commands_as_written(tmp_path):
+    assert without_comment(LONG) in CI_ONLY  # the one command of the subsection this test leaves to .ci/run
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     plain = _run(PLAIN, tmp_path)
     stop = _run(STOP, tmp_path)
@@ -102,8 +103,3 @@ def test_local_script_commands_as_written(tmp_path):
     print("  resume (3 workers):  " + " ".join(f"{s}:{second[s]}" for s in sorted(second)))
     print("  |resumed - one run| after the resume: " + " ".join(f"{s}:{d:.4f}" for s, d in apart.items()))
 
-    long = _run(LONG, tmp_path)
-    records = [json.loads(line) for line in (tmp_path / "runs" / "gpt.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 301))
-    assert "ZeRO stage 2, fp32, 3 workers, global batch 16 x 128" in long, long[-3000:]
-    assert records[-1]["loss"] < records[0]["loss"] - 2.0
