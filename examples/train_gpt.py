@@ -14,6 +14,8 @@ See [Note: resuming the main job] below.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 
@@ -21,6 +23,8 @@ import gpt  # beside this script: zr.Trainer sends its code to the workers, wher
 
 import zeroray as zr
 from zeroray.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints, load_manifest
+from zeroray.checkpoint.filesystem import resolve
+from zeroray.runtime.failures import PlacementError
 
 # [Note: resuming the main job]
 # `--resume` continues a run from one of its sharded checkpoints: `latest` is the newest complete
@@ -32,9 +36,13 @@ from zeroray.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoin
 # --steps is the run's total: a resumed job trains from the checkpoint's step up to it. The data
 # continues where it stopped: CharBatches regenerates the same global batches from --seed, the
 # checkpoint records how many were consumed (data_position), and fit skips those, so every step
-# sees the batch an uninterrupted run would have given it. That needs the same --seed (checked
-# against the checkpoint), --batch-size and --seq-len (not recorded in a checkpoint: keep them),
-# and the same model shape (zeroray's restore checks it).
+# sees the batch an uninterrupted run would have given it. At another --num-workers the same
+# global batch is split otherwise (16 rows over 3 workers: 6, 5, 5, each worker's loss weighted
+# by its rows), which is the same step: the losses go on as in one run, to float rounding. That
+# needs the same --seed (checked against the checkpoint's config), --batch-size and --seq-len
+# (recorded by this script in RUN_RECORD beside the checkpoints, and checked), and the same
+# model shape (zeroray's restore checks it). --grad-accum may change: it splits each worker's
+# rows, not the global batch.
 # --stop-after K ends a run after step K, saved, as a preemption or a time limit would: the run
 # is unfinished, and --resume takes it on to --steps.
 # The optimizer goes on as it was saved: a --resume without --lr or --adam-eps restores the
@@ -43,9 +51,14 @@ from zeroray.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoin
 # which hyperparameters that changes. So a resume that leaves out the --lr the run was started
 # with keeps that lr, instead of the script's default. (A checkpoint from before zeroray recorded
 # the optimizer gets the script's AdamW from the flags, as it did then.)
-# Nothing is lost by a mistake on the command line: a --resume with no checkpoint to read, or a
-# fresh run into a --checkpoint-dir that already holds one (whose saves would prune it), is
-# refused before anything starts or is written.
+# Nothing is lost by a mistake on the command line: a --resume with no checkpoint to read, or
+# with another --batch-size, --seq-len or --seed than the run saved with, or a fresh run into a
+# --checkpoint-dir that already holds one (whose saves would prune it), is refused before
+# anything starts or is written. Errors are printed as a message and exit code 1, without a
+# traceback; --debug shows the traceback.
+
+RUN_RECORD = "train_gpt.json"  # in the checkpoint root: what the data order depends on
+DATA_ARGS = ("batch_size", "seq_len")
 
 
 LR, ADAM_EPS = 3e-3, 1e-8  # a fresh run's optimizer: AdamW(lr=LR, eps=ADAM_EPS, weight_decay=0.0)
@@ -93,6 +106,7 @@ def parse_args(argv=None):
     p.add_argument("--metrics", default=None, help="append per-step metrics to this JSONL file")
     p.add_argument("--use-gpu", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its message")
     args = p.parse_args(argv)
     for name in ("steps", "checkpoint_every", "keep_checkpoints", "stop_after"):
         value = getattr(args, name)
@@ -132,12 +146,65 @@ def resume_point(args) -> "str | None":
     if saved_seed is not None and saved_seed != args.seed:
         sys.exit(f"{found} was saved by a run with --seed {saved_seed}, this one has --seed {args.seed}: "
                  f"resume with --seed {saved_seed}, or the data would not continue where it stopped")
+    check_run_record(found, args)
     return str(found)
+
+
+def _record_path(root):
+    storage, path = resolve(root)
+    return storage, storage.join(path, RUN_RECORD)
+
+
+def write_run_record(args) -> None:
+    """A fresh run with --checkpoint-dir: record the arguments the data order depends on."""
+    storage, path = _record_path(args.checkpoint_dir)
+    storage.makedirs(storage.split(path)[0])
+    storage.write_bytes(path, json.dumps({name: getattr(args, name) for name in DATA_ARGS}).encode())
+
+
+def check_run_record(step_dir, args) -> None:
+    """Exit with a message when --batch-size or --seq-len differ from the run that saved ``step_dir``:
+    the resumed run would train on other global batches than an uninterrupted one."""
+    storage, path = resolve(step_dir)
+    root = storage.split(path)[0]
+    record = storage.join(root, RUN_RECORD)
+    if storage.entry(record) is None:
+        print(f"note: {storage.display(root)} holds no {RUN_RECORD} (a run of an older train_gpt.py?): "
+              "--batch-size and --seq-len are not checked against the saved run; keep them as they were",
+              file=sys.stderr)
+        return
+    saved = json.loads(storage.read_bytes(record))
+    changed = [(name, saved[name], getattr(args, name)) for name in DATA_ARGS
+               if name in saved and saved[name] != getattr(args, name)]
+    if changed:
+        flags = ", ".join(f"--{n.replace('_', '-')} {new} (saved with {old})" for n, old, new in changed)
+        again = " ".join(f"--{n.replace('_', '-')} {old}" for n, old, _ in changed)
+        sys.exit(f"{step_dir} was saved by a run with other data: {flags}. A resumed run continues the saved "
+                 f"run's global batches, so they must stay as they were: resume with {again} (--num-workers, "
+                 "--stage, --dtype and --grad-accum may change), or start a fresh run in another --checkpoint-dir")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        return train(args)
+    except (ValueError, OSError, PlacementError) as error:  # a user's or the machine's: CheckpointError too
+        if args.debug or os.environ.get("ZERORAY_DEBUG"):
+            raise
+        print(f"{os.path.basename(sys.argv[0] or 'train_gpt.py')}: error: {error}", file=sys.stderr)
+        print("(--debug or ZERORAY_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def train(args) -> int:
     resume_from = resume_point(args)
+    if resume_from is None and args.checkpoint_dir:
+        write_run_record(args)
     cfg = gpt.GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
     t0 = time.perf_counter()
     options = dict(

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from zeroray.comm.group import make_torch_group
 from zeroray.comm.port import free_port
 from zeroray.comm.user_group import join_default_group, leave_default_group
-from zeroray.engine.batch import split_batch
+from zeroray.engine.batch import batch_size, split_batch
 from zeroray.engine.engine import Engine
 from zeroray.memory.report import live_tensor_bytes, measure
 
@@ -52,8 +52,8 @@ def _run_one(rank, world, port, spec, out_file, kept):
         spec["setup"](engine)
     losses, norms, skipped, scales, trace, reports = [], [], [], [], [], []
     for batch in spec["batches"]:
-        shard = split_batch(batch, world)[rank]
-        stats = engine.train_step(shard)
+        shard = split_batch(batch, world)[rank]  # uneven where the rows do not divide, as the driver splits
+        stats = engine.train_step(shard, global_rows=batch_size(batch))
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
         skipped.append(stats.skipped)

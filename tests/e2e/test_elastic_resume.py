@@ -8,6 +8,9 @@ checkpoint (`--resume latest`) with 3 workers at stage 2 and trains to the run's
 Job 1 sets --lr and --adam-eps (not the script's defaults) and job 2 leaves them out: it must go
 on with the checkpoint's optimizer, not restate the script's default one (zeroray's restore
 rebuilds the saved optimizer: [Note: restoring the optimizer] in zeroray/runtime/optimizer_restore.py).
+The global batch of 7 rows divides over neither (4, 3, then 3, 2, 2, each worker's loss weighted by
+its rows), so the run is one run only if the weighting makes each step the whole batch's. Between
+the jobs, a resume with another --batch-size or --seq-len is refused before anything starts.
 The per-step losses of both jobs (their --metrics files) and the final checkpoint's weights must
 equal single-process PyTorch trained on the same global batches, within the tolerance of
 zeroray's own restore and resize tests (tests/ray/test_checkpoint_resize.py: losses rel 1e-5,
@@ -47,7 +50,7 @@ SCRIPT = REPO_ROOT / "examples" / "train_gpt.py"
 EXCLUDES = [".git", ".venv", "venv", "**/__pycache__", ".pytest_cache", ".benchmarks", "ckpts", "runs"]
 
 STEPS, K = 7, 3  # job 1 stops after step K (a checkpoint); job 2 saves at 2K and at the end, step 7
-LR, BATCH, SEQ = 2e-3, 6, 16  # a global batch of 6 splits evenly over 2 and 3 workers; LR: not the default
+LR, BATCH, SEQ = 2e-3, 7, 16  # 7 rows split 4, 3 over 2 workers and 3, 2, 2 over 3 ([Note: uneven splits]); LR: not the default
 # AdamW eps 1e-5, as tests/dist/test_real_models.py says why: attention's key bias has an exactly
 # zero gradient in exact arithmetic, and at the default 1e-8 AdamW turns its rounding noise into
 # updates of ~lr that differ between any two differently ordered runs (at 1e-8 the key biases of
@@ -112,6 +115,15 @@ def test_stop_at_2_workers_resume_at_3_equals_one_run(cluster, tmp_path):
     job1_s = time.monotonic() - started
     assert f"stopped at step {K} of {STEPS}" in log1, log1[-4000:]
     assert str(latest_checkpoint(str(ckpt))).endswith(f"step_{K:08d}")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for flag, value, saved in (("--batch-size", "8", BATCH), ("--seq-len", "12", SEQ)):
+        out = _run_script([*MODEL_ARGS, flag, value, "--checkpoint-dir", str(ckpt), "--resume", "latest"])
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert (f"was saved by a run with other data: {flag} {value} (saved with {saved}). A resumed run "
+                f"continues the saved run's global batches, so they must stay as they were: resume with "
+                f"{flag} {saved}") in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and "worker 0 on node" not in out.stdout
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
     log2 = _submit(cluster, [*MODEL_ARGS, "--num-workers", "3", "--stage", "2", "--checkpoint-dir", str(ckpt),
                              "--checkpoint-every", str(K), "--resume", "latest",
                              "--metrics", str(tmp_path / "job2.jsonl")])
@@ -183,6 +195,15 @@ def test_resume_with_nothing_to_resume_is_refused_before_anything_starts(tmp_pat
     assert out.returncode != 0 and f"no checkpoint at {tmp_path / 'elsewhere'}" in out.stderr, out.stderr
     out = _run_script([*MODEL_ARGS, "--resume"])
     assert out.returncode != 0 and "--resume latest needs --checkpoint-dir DIR" in out.stderr, out.stderr
+
+
+def test_a_user_error_is_a_message_and_exit_code_1_and_debug_shows_the_traceback():
+    out = _run_script([*MODEL_ARGS, "--num-workers", "0"])
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "train_gpt.py: error: ScalingConfig.num_workers=0 is invalid: it must be an integer >= 1" in out.stderr
+    assert "--debug or ZERORAY_DEBUG=1 shows the traceback" in out.stderr
+    out = _run_script([*MODEL_ARGS, "--num-workers", "0", "--debug"])
+    assert out.returncode == 1 and "Traceback" in out.stderr and "ValueError: ScalingConfig.num_workers=0" in out.stderr
 
 
 def test_a_fresh_run_into_a_directory_with_a_checkpoint_is_refused(tmp_path):

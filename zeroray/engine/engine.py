@@ -37,7 +37,7 @@ from zeroray.config import ZeroConfig, validate_optimizer
 from zeroray.context import with_worker_context
 from zeroray.engine import state, step_status, sync_batchnorm
 from zeroray.engine.activations import track_activations
-from zeroray.engine.batch import split_batch, to_device
+from zeroray.engine.batch import batch_size, part_weights, split_batch, to_device
 from zeroray.engine.buffer_sync import BufferBroadcast
 from zeroray.engine.coordination import build_coordinator
 from zeroray.engine.grad_intake import GradIntake
@@ -140,8 +140,15 @@ class Engine:
     # --- one step --------------------------------------------------------------------------
 
     @with_worker_context
-    def train_step(self, batch: Any, before_update: Optional[Callable[[], None]] = None) -> StepStats:
+    def train_step(self, batch: Any, before_update: Optional[Callable[[], None]] = None, *,
+                   global_rows: Optional[int] = None) -> StepStats:
         """One optimizer step on this rank's share of the global batch (collective).
+
+        ``global_rows``: the rows of the whole global batch, whose shares may differ by a row
+        ([Note: uneven splits] in engine/batch.py); None: every rank has as many rows as this
+        one. Micro-batch i's loss is weighted by ``w_i = n_i * W * k / global_rows`` (1.0 for an
+        equal split), and the loss returned is ``sum_i w_i * loss_i / k``: its mean over the
+        ranks is the global batch's row-weighted loss.
 
         ``before_update``: called after forward and backward, before anything that
         ``export_state`` reads changes (the runtime's snapshot copy of the state before this
@@ -165,8 +172,11 @@ class Engine:
         done = 0
         try:
             micro = split_batch(to_device(batch, self.device), k, "worker's share of the batch (grad_accum_steps)")
+            rows = [batch_size(mb) for mb in micro]
+            total = sum(rows) * self.world_size if global_rows is None else global_rows
+            weights = part_weights(rows, total, self.world_size * k)
             for i, mb in enumerate(micro):
-                self._micro_batch(i, mb, i == k - 1, scale, losses, coef if written else None)
+                self._micro_batch(i, mb, i == k - 1, scale, weights[i], losses, coef if written else None)
                 done = i + 1
         except CollectiveError:
             raise  # the group is broken: the runtime rebuilds it
@@ -201,8 +211,8 @@ class Engine:
         return StepStats(loss_value, norm, self.step_count, skipped,
                          self.scaler.scale if self.scaler else None, time.perf_counter() - t0)
 
-    def _micro_batch(self, index: int, mb: Any, last: bool, scale: float, losses: List[torch.Tensor],
-                     write_scaled: Optional[float]) -> None:
+    def _micro_batch(self, index: int, mb: Any, last: bool, scale: float, weight: float,
+                     losses: List[torch.Tensor], write_scaled: Optional[float]) -> None:
         reduce_now = self.policy.reduce_every_micro_batch or last
         self.reducer.begin_backward(accepting=reduce_now, write_scaled=write_scaled if reduce_now else None)
         self.units.expect_grads()
@@ -212,6 +222,8 @@ class Engine:
             loss = self.loss_fn(self.model, mb)
         self.activations.end_forward()
         check_loss(loss, self.step_count)
+        if weight != 1.0:  # an uneven part: [Note: uneven splits] in engine/batch.py (1.0 leaves it bitwise)
+            loss = loss.float() * weight
         losses.append(loss.detach())
         self.coordinator.begin_backward()
         (loss.float() * scale if self.scaler else loss).backward()

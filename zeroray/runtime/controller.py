@@ -154,13 +154,17 @@ class Controller:
         finally:
             self.states.leave(TrainerState.STEPPING)
 
-    def _check_batch(self, batch: Any) -> None:
+    def _check_batch(self, batch: Any) -> int:
+        """The global batch's rows: at least one per micro-batch of every worker ([Note: uneven
+        splits] in engine/batch.py)."""
         size = batch_size(batch)
         parts = self.num_workers * self.zero.grad_accum_steps
-        if size % parts:
+        if size < parts:
             raise ValueError(
-                f"the global batch has {size} rows, which does not split evenly over {self.num_workers} worker(s)"
-                f" x {self.zero.grad_accum_steps} micro-batch(es): use a batch size divisible by {parts}")
+                f"the global batch has {size} rows, fewer than {self.num_workers} worker(s) x "
+                f"{self.zero.grad_accum_steps} micro-batch(es): every micro-batch of every worker needs at least "
+                f"one row; use a global batch of at least {parts} rows")
+        return size
 
     def _require_stepping(self) -> None:
         if self.state not in (TrainerState.STEPPING, TrainerState.FITTING):
@@ -172,10 +176,10 @@ class Controller:
         ``after_ok``: the step runs only if the call sent before it succeeded (a step queued
         behind another is dropped when that one fails; see sequencer.py)."""
         self._require_stepping()
-        self._check_batch(batch)
+        rows = self._check_batch(batch)
         shards = [PackedBatch(s) for s in split_batch(batch, self.num_workers)]  # [Note: batch transport]
         submitted = time.time()
-        refs = self.group.call_each("train_step", [(s,) for s in shards], after_ok=after_ok)
+        refs = self.group.call_each("train_step", [(s, rows) for s in shards], after_ok=after_ok)
         self.in_flight += 1
         number = self.step_count + self.in_flight
         return PendingStep(refs, submitted, number, tokens, snapshot=self._snapshot_after(number))
@@ -254,36 +258,43 @@ class Controller:
     def _evaluate(self, data: Any, metric_fn: Optional[Callable], dataset_batch_size: Optional[int]
                   ) -> Dict[str, float]:
         """Every global batch split over the workers; per batch the mean over workers of what each
-        reported, then the mean over batches. Two batches in flight, as fit keeps steps."""
+        reported, weighted by their rows (the plain mean when they are equal: [Note: uneven splits]
+        in engine/batch.py), then the mean over batches. Two batches in flight, as fit keeps steps."""
         group, n = self.group, self.num_workers
         metric_ref = ray.put(metric_fn)  # sent once, not with every batch
         sums: Dict[str, float] = {}
         counts: Dict[str, int] = {}
-        pending: Deque[Tuple[int, List[Any]]] = deque()
+        pending: Deque[Tuple[int, List[int], List[Any]]] = deque()
 
-        def collect(index: int, refs: List[Any]) -> None:
+        def collect(index: int, rows: List[int], refs: List[Any]) -> None:
             outs = group.wait_all(refs, None, f"evaluate (batch {index})")
             if any(set(o) != set(outs[0]) for o in outs):
                 raise ValueError(f"evaluate: metric_fn returned other names on other workers for batch {index}: "
                                  f"{[sorted(o) for o in outs]}; return the same names on every worker")
             for key in outs[0]:
-                sums[key] = sums.get(key, 0.0) + sum(o[key] for o in outs) / n
+                if len(set(rows)) == 1:
+                    value = sum(o[key] for o in outs) / n
+                else:
+                    value = sum(o[key] * r for o, r in zip(outs, rows)) / sum(rows)
+                sums[key] = sums.get(key, 0.0) + value
                 counts[key] = counts.get(key, 0) + 1
 
         try:
             for index, batch in enumerate(evaluation_batches(data, dataset_batch_size)):
                 size = batch_size(batch)
-                if size % n:
-                    raise ValueError(f"evaluate: batch {index} has {size} rows, which does not split evenly over {n} "
-                                     f"worker(s): use batches whose size divides by {n}")
-                shards = [PackedBatch(s) for s in split_batch(batch, n)]  # [Note: batch transport]
-                pending.append((index, group.call_each("evaluate", [(s, metric_ref) for s in shards])))
+                if size < n:
+                    raise ValueError(f"evaluate: batch {index} has {size} rows, fewer than the {n} workers: every "
+                                     f"worker needs at least one row; use batches of at least {n} rows")
+                parts = split_batch(batch, n)
+                rows = [batch_size(p) for p in parts]
+                shards = [PackedBatch(s) for s in parts]  # [Note: batch transport]
+                pending.append((index, rows, group.call_each("evaluate", [(s, metric_ref) for s in shards])))
                 if len(pending) == 2:
                     collect(*pending.popleft())
             while pending:
                 collect(*pending.popleft())
         except BaseException:
-            _wait_quietly([ref for _, refs in pending for ref in refs], 10.0)
+            _wait_quietly([ref for _, _, refs in pending for ref in refs], 10.0)
             raise
         if not counts:
             raise ValueError("evaluate: the data held no batches")

@@ -208,7 +208,8 @@ class Trainer:
     # --- training --------------------------------------------------------------------------
 
     def step(self, batch: Any) -> StepResult:
-        """One optimizer step on a global batch (split evenly over the workers)."""
+        """One optimizer step on a global batch, split over the workers (unevenly where the rows do
+        not divide, each worker's loss weighted by its rows: [Note: uneven splits] in engine/batch.py)."""
         return self._start(batch).step(batch)
 
     def fit(self, data: Any, num_steps: Optional[int] = None, *, batch_size: Optional[int] = None,
@@ -241,12 +242,12 @@ class Trainer:
                  ) -> Dict[str, float]:
         """The model's loss (and metrics) on ``data``, without training: ``{"loss": ..., **metrics}``.
 
-        ``data``: an iterable of global batches (each split evenly over the workers, as in
-        ``step``), or a ``ray.data.Dataset`` read in global batches of ``batch_size`` rows (the
-        last partial one dropped). Every worker runs ``loss_fn(model, its rows)``, and
+        ``data``: an iterable of global batches (each split over the workers as in ``step``), or a
+        ``ray.data.Dataset`` read in global batches of ``batch_size`` rows (the last partial one
+        dropped). Every worker runs ``loss_fn(model, its rows)``, and
         ``metric_fn(model, its rows)`` (a dict of floats or 0-dim tensors) if given, with the model
         in ``eval()`` mode under ``torch.no_grad()``. Per batch, each value is the mean over the
-        workers (the training loss's semantics, as DDP's), then the mean over the batches.
+        workers weighted by their rows (the training loss's semantics), then the mean over the batches.
         Touches no optimizer state, step count or gradient, and leaves stage 3's prefetch trace
         as it was.
         """

@@ -207,13 +207,15 @@ class Worker:
     # --- training --------------------------------------------------------------------------
 
     @engine_call(waits_for_copy=False)
-    def train_step(self, batch: Any) -> StepOutput:
-        """One step on this rank's share of the global batch (a PackedBatch, see batch_transport.py)."""
-        return self._step(unpack(batch))
+    def train_step(self, batch: Any, global_rows: Optional[int] = None) -> StepOutput:
+        """One step on this rank's share of the global batch (a PackedBatch, see batch_transport.py)
+        of ``global_rows`` rows ([Note: uneven splits] in engine/batch.py)."""
+        return self._step(unpack(batch), global_rows)
 
-    def _step(self, batch: Any) -> StepOutput:
+    def _step(self, batch: Any, global_rows: Optional[int] = None) -> StepOutput:
         t_engine = time.time()
-        stats = self.memory.step(self.engine.train_step, batch, before_update=self._wait_copy)
+        stats = self.memory.step(self.engine.train_step, batch, before_update=self._wait_copy,
+                                 global_rows=global_rows)
         t_engine_end = time.time()
         return StepOutput(loss=stats.loss, grad_norm=stats.grad_norm, step=stats.step, skipped=stats.skipped,
                           loss_scale=stats.loss_scale, time_s=stats.time_s,
