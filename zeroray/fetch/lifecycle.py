@@ -89,8 +89,9 @@ MOVES: Dict[str, Tuple[FrozenSet[Phase], Phase]] = {
 
 class Coordinator:
     """The phases of the engine's steps and inference calls; on its own, stage 0's coordinator.
-    Each call asserts the phase it comes in and moves to the next ([Phase]); a stage's
-    coordinator extends the calls with its own work, moving the phase where its work needs."""
+    Each call asserts the phase it comes in and moves to the next (see ``Phase``). A stage's
+    coordinator extends the calls with its own work, calling these where its work needs the
+    new phase (stage 3 launches a micro-batch's reductions before it is COMPUTED)."""
 
     def __init__(self) -> None:
         self.phase = Phase.IDLE
@@ -104,7 +105,7 @@ class Coordinator:
 
     def _abandon(self) -> None:
         """The group is broken (stage 3: the ranks diverged where they cannot negotiate): IDLE
-        from any phase, so that the rest of the failing call ignores events; see [Phase]."""
+        from any phase, so that the rest of the failing call ignores events; see ``Phase``."""
         self.phase = Phase.IDLE
 
     def _began(self, micro_batch: int) -> bool:
