@@ -4,6 +4,7 @@ problem (printed to stderr, one line, saying what to do)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Optional, TextIO
 
@@ -12,6 +13,8 @@ from zeroray.checkpoint.errors import CheckpointError
 from zeroray.checkpoint.filesystem import PathLike
 from zeroray.checkpoint.reader import CheckpointReader
 from zeroray.checkpoint.store import load_manifest
+from zeroray.checkpoint.tensorfile import dtype_from_code
+from zeroray.layout.owners import split_owned_key
 
 
 def _size(n: int) -> str:
@@ -40,6 +43,17 @@ def cli_inspect(path: PathLike, out: Optional[TextIO] = None) -> int:
     print(f"parameters: {trainable:,} trainable in {len(m.flat_layout().units)} units"
           + (f", {extra:,} in frozen parameters and buffers" if m.extra_tensors else ""), file=out)
     print(f"sharded tensors: {', '.join(m.sharded_keys)}", file=out)
+    owned = m.owned_keys
+    if owned:
+        names = set(m.flat_layout().param_names)
+        params = {split_owned_key(k, names)[0] for k in owned}
+        state_keys = sorted({split_owned_key(k, names)[1] for k in owned})
+        nbytes = [0] * m.world_size
+        for key, rank in owned.items():
+            entry = m.tensors[key]
+            nbytes[rank] += math.prod(entry["shape"]) * dtype_from_code(entry["dtype"]).itemsize
+        print(f"whole-parameter optimizer state: {len(owned)} tensors ({', '.join(state_keys)}) of "
+              f"{len(params)} parameters, by owner rank: {', '.join(_size(b) for b in nbytes)}", file=out)
     print(f"config: {json.dumps(m.config, sort_keys=True)}", file=out)
     if m.extra:
         print(f"extra: {json.dumps(m.extra, sort_keys=True)}", file=out)

@@ -10,7 +10,8 @@ step never asks which stage it runs:
   ([Note: stage data flow] in engine/storage.py);
 - the coordinator that gathers and frees units (engine/coordination.py: none at stage 0);
 - the gradient buckets (comm/buckets.py) fed by the parameters' hooks (engine/grad_intake.py);
-- the flat optimizer over the master (engine/optim.py), activations (engine/activations.py).
+- the optimizer over the master: flat pieces (engine/optim.py) or whole parameters
+  (engine/shaped_optim.py), chosen once (engine/optim_choice.py); activations (engine/activations.py).
 
 One step: every micro-batch runs ``loss_fn`` and backward with the coordinator fetching
 units (fetch/coordinator.py) and the buckets reducing gradients; then one status all-reduce carries the
@@ -39,7 +40,8 @@ from zeroray.engine.coordination import build_coordinator
 from zeroray.engine.grad_intake import GradIntake
 from zeroray.engine.inference import evaluation, run_call
 from zeroray.engine.model_build import build_model, load_saved_weights
-from zeroray.engine.optim import DiskOffload, LossScaler, ShardedOptimizer, build_segments, local_spans
+from zeroray.engine.optim import DiskOffload, LossScaler
+from zeroray.engine.optim_choice import build_optimizer
 from zeroray.engine.precision import MixedPrecision, load_untrained
 from zeroray.engine.step_result import StepStats, check_loss, skips
 from zeroray.engine.storage import build_storage
@@ -94,10 +96,9 @@ class Engine:
         # before any user callback (param_groups) may read a parameter
         self.coordinator = build_coordinator(policy, self.model, self.layout, s, group, self.waiter,
                                              zero, named, self.reducer)
-        segments = build_segments(local_spans(s.param_spans(), named, param_groups), self.master.numel(),
-                                  breaks=self.master.breaks())
-        self.optimizer = ShardedOptimizer(optimizer, self.master, self.grad, segments, zero.max_grad_norm, scheduler,
-                                          param_spans=s.param_spans(), offload=offload)
+        # flat pieces or whole parameters, by the optimizer ([Note: optimizer paths] in engine/optim_choice.py)
+        self.optimizer = build_optimizer(optimizer, s, self.layout, named, group, zero, param_groups, scheduler,
+                                         offload)
         self.bucket_learning = BucketLearning(self.reducer, zero)
         self.grads = GradIntake(named, self.layout, self.units, self.reducer, self.coordinator)
         self.activations, self._restore_forwards = track_activations(
@@ -116,6 +117,11 @@ class Engine:
             raise ValueError(f"ZeroConfig.offload={zero.offload!r} runs on CPU workers only for now (this worker "
                              f"computes on {self.device}): the GPU workers' tiers are not built yet; set offload=None")
         return DiskOffload(zero.offload_dir, self.rank, zero.offload_chunk_bytes)
+
+    @property
+    def whole_params(self) -> bool:
+        """Whether the optimizer steps whole parameters ([Note: optimizer paths] in engine/optim_choice.py)."""
+        return self.optimizer.whole_params
 
     def offload_stats(self) -> Dict[str, float]:
         """The disk tier's I/O totals since the engine was built (empty without offload): the

@@ -30,6 +30,7 @@ import torch
 from zeroray.engine.flat_pieces import FlatPieces
 from zeroray.engine.flat_state import FlatState
 from zeroray.layout.local_shard import LocalShard
+from zeroray.layout.owners import is_owned_key
 from zeroray.offload.master import DiskMaster
 from zeroray.offload.stepper import DiskStepper, make_stepper
 
@@ -51,7 +52,7 @@ class Segment:
 
     @property
     def key(self) -> str:
-        return json.dumps(dict(self.overrides), sort_keys=True, default=str)
+        return group_key(dict(self.overrides))
 
 
 class LossScaleError(RuntimeError):
@@ -88,18 +89,58 @@ class LossScaler:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
+def group_overrides(name: str, param: torch.nn.Parameter,
+                    param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]]) -> Dict[str, Any]:
+    """What ``param_groups(name, param)`` overrides for parameter ``name`` (lr, weight_decay, ...)."""
+    overrides = dict(param_groups(name, param) or {}) if param_groups else {}
+    if "params" in overrides:
+        raise ValueError(f"param_groups({name!r}) returned a 'params' key: return only the "
+                         "overrides (lr, weight_decay, ...) for that parameter")
+    return overrides
+
+
+def group_key(overrides: Mapping[str, Any]) -> str:
+    """A param group's overrides as the key checkpoints keep its learning rate under."""
+    return json.dumps(dict(overrides), sort_keys=True, default=str)
+
+
 def local_spans(param_spans: Dict[str, Tuple[int, int]], named: Dict[str, torch.nn.Parameter],
                 param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]]) -> List[Tuple[int, int, dict]]:
     """(start, end, overrides) of each parameter's piece in the master tensor, in order:
     ``param_spans`` with what ``param_groups(name, param)`` overrides for it."""
-    spans = []
-    for name, (start, end) in param_spans.items():
-        overrides = dict(param_groups(name, named[name]) or {}) if param_groups else {}
-        if "params" in overrides:
-            raise ValueError(f"param_groups({name!r}) returned a 'params' key: return only the "
-                             "overrides (lr, weight_decay, ...) for that parameter")
-        spans.append((start, end, overrides))
-    return spans
+    return [(start, end, group_overrides(name, named[name], param_groups))
+            for name, (start, end) in param_spans.items()]
+
+
+def build_inner(builder: Callable[[List[dict]], Any], groups: List[dict]) -> torch.optim.Optimizer:
+    """The user's optimizer over ``groups``, checked to be one."""
+    inner = builder(groups)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise ValueError(f"the optimizer spec returned {type(inner).__name__}, not a torch.optim.Optimizer: "
+                         "pass zr.AdamW(...) or a callable params -> torch.optim.Optimizer")
+    return inner
+
+
+def clip_(grad: torch.Tensor, max_grad_norm: Optional[float], norm: float) -> None:
+    """Scale ``grad`` by the global norm's clip coefficient, as torch.nn.utils.clip_grad_norm_ does."""
+    if max_grad_norm is not None:
+        coef = max_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            grad.mul_(coef)
+
+
+def scheduler_scalars(scheduler: Any) -> Dict[str, Any]:
+    """The JSON-able part of an LR scheduler's state, which checkpoints keep."""
+    return {k: v for k, v in scheduler.state_dict().items() if isinstance(v, (int, float, bool, str))}
+
+
+def load_scheduler(scheduler: Any, inner: torch.optim.Optimizer, scalars: Mapping[str, Any]) -> None:
+    """Restore what ``scheduler_scalars`` kept, its last learning rates those of the groups now."""
+    if scheduler is not None and "scheduler" in scalars:
+        sd = scheduler.state_dict()
+        sd.update(scalars["scheduler"])
+        sd["_last_lr"] = [g["lr"] for g in inner.param_groups]
+        scheduler.load_state_dict(sd)
 
 
 def build_segments(spans: Sequence[Tuple[int, int, Dict[str, Any]]], total: int,
@@ -156,10 +197,7 @@ class ShardedOptimizer:
         self.uneven = False
         groups = [{"params": [p], **dict(seg.overrides)} for seg, p in zip(segments, self.pieces.params)]
         self.builder = spec.build if hasattr(spec, "build") else spec
-        self.inner = self.builder(groups)
-        if not isinstance(self.inner, torch.optim.Optimizer):
-            raise ValueError(f"the optimizer spec returned {type(self.inner).__name__}, not a torch.optim.Optimizer: "
-                             "pass zr.AdamW(...) or a callable params -> torch.optim.Optimizer")
+        self.inner = build_inner(self.builder, groups)
         self.pieces.inner = self.inner
         self.scheduler = scheduler_fn(self.inner) if scheduler_fn is not None else None
         # in memory: one flat tensor per state key that the pieces' state tensors are views of
@@ -175,6 +213,8 @@ class ShardedOptimizer:
                                      target=master.target if on_disk else None)
             if on_disk:
                 master.attach(self.disk)  # the initial values move into the master file
+
+    whole_params = False  # flat pieces ([Note: optimizer paths] in engine/optim_choice.py)
 
     @property
     def flat_params(self) -> List[torch.nn.Parameter]:
@@ -205,14 +245,15 @@ class ShardedOptimizer:
         held = [v for state in self.inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         return held + (self.disk.buffers() if self.disk is not None else [])
 
+    def exchange_buffers(self) -> List[torch.Tensor]:
+        """None: the flat pieces are the shard's own memory."""
+        return []
+
     def step(self, norm: float, unused: Sequence[str] = ()) -> None:
         """Clip by the global norm (as torch.nn.utils.clip_grad_norm_ does) and update every
         parameter but ``unused``, those no rank produced a gradient for (the same list on every
         rank; [Note: unused parameters] in engine/flat_pieces.py)."""
-        if self.max_grad_norm is not None:
-            coef = self.max_grad_norm / (norm + 1e-6)
-            if coef < 1.0:
-                self.grad.mul_(coef)
+        clip_(self.grad, self.max_grad_norm, norm)
         if unused:
             self.uneven = True
         with self.pieces.skipping(unused):
@@ -297,8 +338,7 @@ class ShardedOptimizer:
             scalars["optim_per_element"] = per_element
         scalars["group_lr"] = {seg.key: g["lr"] for seg, g in zip(self.segments, self.inner.param_groups)}
         if self.scheduler is not None:
-            scalars["scheduler"] = {k: v for k, v in self.scheduler.state_dict().items()
-                                    if isinstance(v, (int, float, bool, str))}
+            scalars["scheduler"] = scheduler_scalars(self.scheduler)
         return tensors, scalars
 
     def import_state(self, tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any]) -> None:
@@ -333,6 +373,11 @@ class ShardedOptimizer:
         run where every parameter was always used) has one scalar per key, and every piece
         gets it.
         """
+        whole = [k for k in tensors if is_owned_key(k)]
+        if whole or scalars.get("optim_path") is not None:
+            raise ValueError(
+                f"the checkpoint holds the state of an optimizer stepped on whole parameters ({', '.join(whole[:3])}), "
+                "but this one is element-wise and runs on flat pieces: restore it with the optimizer it was saved with")
         per_element = scalars.get("optim_per_element")
         flats = {name[6:]: flat for name, flat in tensors.items() if name.startswith("optim.")}
         self.pieces.reset()
@@ -372,11 +417,7 @@ class ShardedOptimizer:
         if self.disk is not None:
             self.disk.spill(self.inner, self.pieces.pieces)
         self.uneven = per_element is not None
-        if self.scheduler is not None and "scheduler" in scalars:
-            sd = self.scheduler.state_dict()
-            sd.update(scalars["scheduler"])
-            sd["_last_lr"] = [g["lr"] for g in self.inner.param_groups]
-            self.scheduler.load_state_dict(sd)
+        load_scheduler(self.scheduler, self.inner, scalars)
 
     def _probe_stateless_groups(self) -> Dict[str, bool]:
         """The state keys (-> whether per element) of the param groups none of whose pieces has

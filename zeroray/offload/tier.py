@@ -107,11 +107,11 @@ class StateFiles:
         operations ``after`` have ended (waited for on the pool's thread, not the caller's: the
         pool starts its tasks in order, so those have started before this one and it cannot
         wait on a task that waits for a thread)."""
-        return self.pool.submit(self._io, self._read, key, start, out, list(after))
+        return self.pool.submit(self._io, read_exactly, key, start, out, list(after))
 
     def write(self, key: str, start: int, src: torch.Tensor) -> Future:
         """Write the 1D CPU tensor ``src`` (of the files' dtype) at elements [start, start + src.numel())."""
-        return self.pool.submit(self._io, self._write, key, start, src, [])
+        return self.pool.submit(self._io, write_all, key, start, src, [])
 
     def _io(self, op, key: str, start: int, tensor: torch.Tensor, after: List[Future]) -> None:
         for future in after:
@@ -122,29 +122,14 @@ class StateFiles:
         try:
             op(self.fds[key], view, start * self.element_bytes)
         except OSError as error:
-            raise offload_error(self.folder, f"{'reading' if op is self._read else 'writing'} {key!r}",
+            raise offload_error(self.folder, f"{'reading' if op is read_exactly else 'writing'} {key!r}",
                                 error) from error
         with self._lock:
             self.io_seconds += time.perf_counter() - t0
-            if op is self._read:
+            if op is read_exactly:
                 self.bytes_read += len(view)
             else:
                 self.bytes_written += len(view)
-
-    @staticmethod
-    def _read(fd: int, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                raise OSError(errno.EIO, "the state file ended early")
-            done += got
-
-    @staticmethod
-    def _write(fd: int, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
 
     # --- whole ranges, synchronously (checkpoints) -----------------------------------------
 
@@ -162,6 +147,23 @@ class StateFiles:
         if pool is not None:
             pool.shutdown(wait=True)
         self._finalizer()
+
+
+def read_exactly(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from the file at byte ``offset`` (an error if the file ends first)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise OSError(errno.EIO, "the state file ended early")
+        done += got
+
+
+def write_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` into the file at byte ``offset``."""
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _remove(fds: Dict[str, int], folder: str) -> None:
