@@ -41,6 +41,45 @@ def lamb(params):
     return Lamb(params, lr=1e-2)
 
 
+def orthogonalise_fp32(g, ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7):
+    """torch.optim.Muon's Newton-Schulz iteration, in fp32 (torch's runs in bf16)."""
+    a, b, c = ns_coefficients
+    x = g.float()
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class MuonFP32(torch.optim.Muon):
+    """torch.optim.Muon with its Newton-Schulz iteration in fp32. torch's runs it in bf16, whose
+    rounding turns the last-bit differences of a gradient summed in another order (over workers,
+    or over micro-batches in one process) into differences of the update near 1e-3: this variant
+    holds zeroray to float tolerance, torch's own to what torch shows against itself."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = orthogonalise_fp32(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                rows, cols = p.shape[:2]
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # adjust_lr_fn "original"
+
+
 def _for_muon(name, p):
     return p.ndim == 2 and not any(k in (name or "") for k in ("emb", "wte", "wpe", "head", "tok", "pos"))
 
@@ -49,7 +88,9 @@ class MuonAdamW(torch.optim.Optimizer):
     """torch.optim.Muon on the 2-D hidden weights (chosen by name and ndim, as recipes do), AdamW
     on the rest, sharing this optimizer's ``state``: one torch optimizer, as zeroray's spec wants."""
 
-    def __init__(self, params, lr=0.02, adamw_lr=1e-2, weight_decay=0.01):
+    # AdamW's eps 1e-5, not 1e-8: attention's key bias has an exactly zero gradient in exact arithmetic,
+    # whose rounding noise AdamW at 1e-8 normalises into real updates (tests/dist/test_real_models.py).
+    def __init__(self, params, lr=0.02, adamw_lr=1e-2, weight_decay=0.01, muon=torch.optim.Muon, adamw_eps=1e-5):
         super().__init__(params, dict(lr=lr, adamw_lr=adamw_lr, weight_decay=weight_decay))
         self.muon_shapes = []  # the shapes Muon stepped, in order
         muon_groups, adamw_groups = [], []
@@ -59,8 +100,8 @@ class MuonAdamW(torch.optim.Optimizer):
             rest = [p for p in g["params"] if not any(p is m for m in mats)]
             muon_groups.append({"params": mats})
             adamw_groups.append({"params": rest})
-        self.muon = torch.optim.Muon(muon_groups, lr=lr, weight_decay=weight_decay)
-        self.adamw = torch.optim.AdamW(adamw_groups, lr=adamw_lr, weight_decay=weight_decay)
+        self.muon = muon(muon_groups, lr=lr, weight_decay=weight_decay)
+        self.adamw = torch.optim.AdamW(adamw_groups, lr=adamw_lr, weight_decay=weight_decay, eps=adamw_eps)
         self._share()
 
     def _share(self):
@@ -81,6 +122,10 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def muon_adamw(params):
     return MuonAdamW(params)
+
+
+def muon_fp32_adamw(params):
+    return MuonAdamW(params, muon=MuonFP32)
 
 
 def adafactor(params):

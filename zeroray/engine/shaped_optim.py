@@ -39,8 +39,7 @@ Checkpoints, resizes and snapshots route them by the owner map of the layout the
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -86,10 +85,10 @@ class WholeParamOptimizer:
             layout, pieces, self.master, self.grad, {n: 0 for n in held} if whole_here else self.owners,
             None if whole_here else group, chunk_bytes if offload is not None or not whole_here else None,
             direct=direct)
-        if direct:  # views of the master and gradient, for good: the update lands in place
+        if direct:  # views of the master, for good: the update lands in place (a gradient only in its chunk's call)
             for chunk in self.exchange.chunks:
-                for name, (values, grad) in self.exchange.bring(chunk).items():
-                    self.params[name].data, self.params[name].grad = values, grad
+                for name, (values, _) in self.exchange.bring(chunk).items():
+                    self.params[name].data = values
         key_of = {n: group_key(overrides[n]) for n in layout.param_names}
         self.group_keys = list(dict.fromkeys(key_of[n] for n in layout.param_names))
         first = {k: overrides[n] for n, k in reversed(list(key_of.items()))}
@@ -142,17 +141,12 @@ class WholeParamOptimizer:
             try:
                 stepped |= self._update([n for n in views if n not in skip], upcoming)
             finally:
-                if not self.exchange.direct:
-                    for name in views:
-                        self.params[name].grad = None  # no other chunk's call sees it
-                else:
-                    for name, (_, grad) in views.items():
-                        self.params[name].grad = grad
+                for name in views:
+                    self.params[name].grad = None  # no other chunk's call steps it
             self.exchange.send_back(chunk)
         if not stepped:
             # every rank's optimizer steps every step (an LR scheduler expects it): nothing has a gradient
-            with self._no_grads():
-                self.inner.step()
+            self.inner.step()
         if self.scheduler is not None:
             self.scheduler.step()
 
@@ -177,17 +171,6 @@ class WholeParamOptimizer:
                 if state:
                     self.disk.put(name, state)
         return True
-
-    @contextlib.contextmanager
-    def _no_grads(self) -> Iterator[None]:
-        grads = {n: p.grad for n, p in self.params.items()}
-        for p in self.params.values():
-            p.grad = None
-        try:
-            yield
-        finally:
-            for n, p in self.params.items():
-                p.grad = grads[n]
 
     def skip(self) -> None:
         if self.scheduler is not None:
