@@ -25,6 +25,8 @@ def test_restore_and_resize_carry_each_parameters_state(ray_local, tmp_path):
     def check(trainer, results, first):
         for i, res in enumerate(results):
             assert res.loss == pytest.approx(ref_losses[first + i], rel=1e-5), f"step {first + i}"
+        if first + len(results) < STEPS:
+            return None  # the reference's parameters are those after every step
         sd = trainer.state_dict()
         worst = max((sd[k] - v).abs().max().item() for k, v in ref_state.items())
         assert worst <= 1e-5, worst
