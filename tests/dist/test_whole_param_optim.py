@@ -28,6 +28,7 @@ import zeroray as zr
 from tests.dist.harness import run_engine_table
 from tests.dist.test_engine_parity import assert_parity, global_losses
 from tests.dist.test_precision_optim import no_decay_on_bias_and_norm, warmup
+from tests.dist.test_unused_params import _resize, _restore, _save
 from tests.experts import expert_batches, experts_model, unused_in
 from tests.models import lm_loss, make_batches, parity_model, reference_run
 from tests.real_models import hf_gpt2, real_batches, real_loss
@@ -281,38 +282,6 @@ def test_offload_is_bitwise_the_run_in_memory(runs):
             assert [r["losses"] for r in disk] == [r["losses"] for r in memory], what
             assert all(torch.equal(disk_params[k], mem_params[k]) for k in mem_params), what
             assert [r["inspect"]["state"] for r in disk] == [r["inspect"]["state"] for r in memory], what
-
-
-def _save(root):
-    def save(engine):
-        from zeroray.checkpoint import write_shard
-
-        state = engine.export_state()
-        return write_shard(root, engine.step_count, engine.rank, *state), engine.layout.to_dict(), state
-    return save
-
-
-def _restore(root):
-    def restore(engine):
-        from zeroray.checkpoint import load_resharded
-
-        engine.import_state(*load_resharded(root, *engine.state_layout()))
-    return restore
-
-
-def _resize(old_layout, old_states):
-    """A resize's transfer ([Note: resize transfer]): this rank's pieces of every old rank's state."""
-    def resize(engine):
-        from zeroray.layout.arena import FlatLayout
-        from zeroray.runtime.state_transfer import PieceAssembler, cut_pieces
-
-        layout, rank = engine.state_layout()
-        assembler = PieceAssembler(layout)
-        for old_rank, (tensors, scalars) in enumerate(old_states):
-            assembler.add(cut_pieces(FlatLayout.from_dict(old_layout), old_rank, tensors, scalars,
-                                     [(layout.to_dict(), rank)])[0])
-        engine.import_state(*assembler.state())
-    return resize
 
 
 def test_checkpoint_at_one_size_and_stage_continues_at_another():

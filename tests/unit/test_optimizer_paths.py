@@ -85,27 +85,24 @@ def _like_torch(spec, engine_out, atol=1e-6):
         assert (got.reshape(ref_state[name].shape) - ref_state[name]).abs().max() <= atol, name
 
 
-def test_every_elementwise_class_takes_the_flat_path_and_trains_as_torch():
-    assert {type(spec(trainable(parity_model()))) for spec in ELEMENTWISE_SPECS.values()} == set(ELEMENTWISE)
-    for name, spec in ELEMENTWISE_SPECS.items():
+def _each_takes(specs, path):
+    for name, spec in specs.items():
         out = _train(spec)
         try:
-            assert type(out[0].optimizer) is ShardedOptimizer
+            assert type(out[0].optimizer) is path
             _like_torch(spec, out)
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
         out[0].close()
+
+
+def test_every_elementwise_class_takes_the_flat_path_and_trains_as_torch():
+    assert {type(spec(trainable(parity_model()))) for spec in ELEMENTWISE_SPECS.values()} == set(ELEMENTWISE)
+    _each_takes(ELEMENTWISE_SPECS, ShardedOptimizer)
 
 
 def test_what_zeroray_cannot_know_takes_the_whole_parameter_path():
-    for name, spec in WHOLE_SPECS.items():
-        out = _train(spec)
-        try:
-            assert type(out[0].optimizer) is WholeParamOptimizer
-            _like_torch(spec, out)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from None
-        out[0].close()
+    _each_takes(WHOLE_SPECS, WholeParamOptimizer)
 
 
 def test_declared_and_own_specs_take_the_flat_path():

@@ -6,7 +6,8 @@ run of the local shard whose elements share the same parameter-group overrides. 
 AdamW and SGD are elementwise, so updating a flat slice equals updating the parameters it
 covers, and the optimizer state is a few contiguous tensors (M_D). Padding elements have
 zero value and zero gradient and stay zero under these optimizers. An optimizer that mixes
-elements (per-tensor norms, as in LAMB) would not match the unsharded run; see README.
+elements (per-tensor norms, as in LAMB) would not match the unsharded run: it takes the
+whole-parameter path instead ([Note: optimizer paths] in engine/optim_choice.py).
 When the master is not one tensor (stages 1-2 in fp32: the rank's rows of the parameter
 arena, [Note: local shard] in layout/local_shard.py), segments are also cut where its pieces
 meet, one unit's slice each, so every segment is a view and the update lands in place.

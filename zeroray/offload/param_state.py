@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zeroray.offload.tier import offload_error, read_exactly, write_all
+from zeroray.offload.tier import counted_io, offload_error, read_exactly, write_all
 
 ALIGN = 64  # bytes: each region starts on a cache line
 
@@ -81,7 +81,7 @@ class ParamStateFile:
         self.end = 0
         self.pending: Dict[str, List[Future]] = {}  # parameter -> its writes, perhaps still running
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zeroray-offload")
-        self._lock = threading.Lock()
+        self.io_lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0
         self.io_seconds = self.wait_seconds = 0.0
 
@@ -158,20 +158,7 @@ class ParamStateFile:
         return self.pool.submit(self._io, op, offset, tensor, after)
 
     def _io(self, op, offset: int, tensor: torch.Tensor, after: List[Future]) -> None:
-        for future in after:
-            future.result()  # a failed write fails the read that follows it
-        t0 = time.perf_counter()
-        view = memoryview(tensor.view(-1).view(torch.uint8).numpy())  # as bytes: numpy has no bfloat16
-        try:
-            op(self.fd, view, offset)
-        except OSError as error:
-            raise offload_error(self.folder, "reading" if op is read_exactly else "writing", error) from error
-        with self._lock:
-            self.io_seconds += time.perf_counter() - t0
-            if op is read_exactly:
-                self.bytes_read += len(view)
-            else:
-                self.bytes_written += len(view)
+        counted_io(self, op, self.fd, tensor, offset, after, "optimizer state")
 
     def drain(self) -> None:
         """Wait for every write in flight."""
