@@ -12,7 +12,8 @@ without Ray, torch.optim.Adam on the flat path against the same Adam on the whol
 arithmetic, moved and stepped whole). Rows interleaved, each ``--rounds`` times; per row the
 medians over the timed steps (rank 0's, seconds) of the step and of the optimizer's part (the
 exchange and the update), the bytes each rank sends per step, and, measured after the steps
-(zeroray.memory.report.measure), the optimizer state each rank holds and the exchange's buffers.
+(zeroray.memory.report.measure), the optimizer state each rank holds, and the bytes of the
+exchange's buffers during a step (let go after it).
 Ratios whole/flat per stage, from the same run.
 
 ``--table``: torch.optim.Adafactor and the Muon recipe (torch.optim.Muon on the 2-D hidden
@@ -91,7 +92,7 @@ def _cost_row(rank: int, world: int, port: int, spec: BenchSpec, stage: int, pat
     report = measure(engine)
     out = {k: statistics.median(r[k] for r in rows[spec.warmup_steps:]) for k in rows[0]}
     out["state_bytes"] = float(sum(t.numel() * t.element_size() for t in engine.optimizer.state_tensors()))
-    out["exchange_bytes"] = float(report.get("whole_params", {}).get("exchange_buffers", 0))
+    out["exchange_bytes"] = float(report.get("whole_params", {}).get("exchange_step_bytes", 0))
     out["imbalance"] = float(report.get("whole_params", {}).get("owner_imbalance", 1.0))
     engine.close()
     group.close()
@@ -125,7 +126,7 @@ def cost(rounds: int) -> None:
     spec = BenchSpec(num_workers=world)
     print(f"model {spec.model} d_model {spec.d_model} x {spec.n_layers} layers, {world} workers, fp32, "
           f"{rounds} round(s), medians of rank 0's timed steps")
-    print("stage  path    step s  opt s   sent MiB  state MiB (rank 0, 1)  exchange MiB  owner imbalance")
+    print("stage  path    step s  opt s   sent MiB  state MiB (rank 0, 1)  exchange MiB in a step  owner imbalance")
     table = {}
     for stage in STAGES:
         for path in PATHS:
@@ -135,7 +136,7 @@ def cost(rounds: int) -> None:
             exchange = ranks[0][mine[0]]["exchange_bytes"]
             table[(stage, path)] = {**med, "state": max(state), "exchange": exchange}
             print(f"{stage:>5}  {path:<6} {med['step']:7.3f} {med['opt']:7.3f} {med['bytes'] / 2**20:9.1f}  "
-                  f"{state[0] / 2**20:8.2f} {state[1] / 2**20:8.2f}           {exchange / 2**20:8.2f}  "
+                  f"{state[0] / 2**20:8.2f} {state[1] / 2**20:8.2f}           {exchange / 2**20:8.2f}             "
                   f"{ranks[0][mine[0]]['imbalance']:.3f}")
     print("whole/flat: stage  step   opt    sent   state (the larger rank's)")
     for stage in STAGES:

@@ -70,7 +70,9 @@ def inspect(engine):
             state[name] = {k: tuple(v.shape) for k, v in held.items() if isinstance(v, torch.Tensor)}
     return {"path": type(opt).__name__, "inner": type(inner).__name__, "state": state,
             "stepped": getattr(inner, "shapes_seen", None) or getattr(inner, "muon_shapes", None),
-            "shapes": {n: engine.layout.slots[n].shape for n in engine.layout.param_names}}
+            "shapes": {n: engine.layout.slots[n].shape for n in engine.layout.param_names},
+            "exchange": (len(opt.exchange_buffers()), opt.share()["exchange_step_bytes"]) if engine.whole_params
+            else None}
 
 
 # name -> (optimizer spec, reference optimizer over a model, path)
@@ -147,6 +149,8 @@ def _check_sharded_state(results, stage, what):
     if stage == 0:
         assert all(h == names for h in held), (what, held)
         return
+    # the exchange's buffers are the step's only: none left between steps
+    assert all(r["inspect"]["exchange"][0] == 0 < r["inspect"]["exchange"][1] for r in results), what
     assert set().union(*held) == names, (what, names - set().union(*held))
     assert sum(len(h) for h in held) == len(names), (what, held)  # disjoint
     assert all(h != names for h in held), (what, held)

@@ -42,6 +42,7 @@ def test_restore_and_resize_carry_each_parameters_state(ray_local, tmp_path):
     assert sum(s["held_params"] for s in shares) == len(trainable(parity_model()))
     assert all(0 < s["held_numel"] < sum(x["held_numel"] for x in shares) for s in shares), shares
     assert all(s["state_bytes"] > 0 and s["owner_imbalance"] >= 1.0 for s in shares), shares
+    assert all(s["exchange_buffers"] == 0 < s["exchange_step_bytes"] for s in shares), shares  # the step's only
     with zr.Trainer.restore(root, parity_model, lm_loss, optimizer=muon_adamw, zero=zr.ZeroConfig(stage=1),
                             scaling=zr.ScalingConfig(num_workers=3)) as restored:
         assert restored.step_count == SPLIT

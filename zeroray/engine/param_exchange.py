@@ -25,9 +25,11 @@ A chunk's rows are filled owner by owner from each owner's parameters in layout 
 ``row_elems`` elements a row (a parameter larger than that makes a row of its own), so a chunk
 carries about the same for every owner and the rows' padding stays small when the owners are
 balanced. Communication per step: a reduce-scatter of 2 and an all-gather of 1 fp32 value per
-element, the rows' padding added: about what the flat path's publish moves, again. The buffers
-(send, received, gathered: ``(W + 1) * 2L + W * L`` fp32 elements) are kept between steps,
-sized by the largest chunk.
+element, the rows' padding added, on top of the step's own (benchmarks/README.md, "The two
+optimizer paths"). The buffers (send ``W * 2L``, received ``2L``, gathered ``W * L`` fp32
+elements, and the reduce-scatter's scratch) hold at most ``chunk_bytes`` together, unless one
+parameter is larger; they are made for the step and let go after it (``allocate``, ``release``),
+so nothing of them stays between steps.
 
 With one worker, or at stage 0 (every rank holds every parameter whole), nothing moves: the
 optimizer steps shaped views of the master and gradient themselves (``direct``), as torch DDP
@@ -105,21 +107,40 @@ class ParamExchange:
         self.pieces, self.master, self.grad, self.group, self.direct = pieces, master, grad, group, direct
         self.rows = group.world_size if group is not None else 1
         self.rank = group.rank if group is not None else 0
-        # the send buffer, the largest of the three, holds chunk_bytes: W rows of 2L fp32 values
-        row_elems = max(1, chunk_bytes // (self.rows * 2 * 4)) if chunk_bytes is not None else layout.numel + 1
+        # every buffer together holds chunk_bytes: (W * 2 + 2 + W) * L fp32 values, and the scratch
+        per_row = 3 * self.rows + 2 + (group.scratch_numel(2) if group is not None else 0)
+        row_elems = max(1, chunk_bytes // (per_row * 4)) if chunk_bytes is not None else layout.numel + 1
         self.chunks = plan_chunks(layout, owners, self.rows, row_elems)
-        longest = 0 if direct else max((c.row for c in self.chunks), default=0)
-        device = grad.device
+        self.longest = 0 if direct else max((c.row for c in self.chunks), default=0)
+        self.received = self.send = self.gathered = self.scratch = None
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes of the buffers during a step (none between steps)."""
+        if self.direct:
+            return 0
+        scratch = self.group.scratch_numel(2 * self.longest) if self.group is not None else 0
+        rows = self.rows if self.group is not None else 0
+        return 4 * (2 * self.longest + rows * 3 * self.longest + scratch)
+
+    def allocate(self) -> None:
+        """Make the step's buffers, sized by the largest chunk."""
+        if self.direct:
+            return
+        longest, device = self.longest, self.grad.device
         self.received = torch.empty(2 * longest, dtype=torch.float32, device=device)  # 1D [grads | values]
-        self.send = self.gathered = self.scratch = None
-        if self.rows > 1:
+        if self.group is not None:
             self.send = torch.empty(self.rows * 2 * longest, dtype=torch.float32, device=device)  # (W, 2L)
             self.gathered = torch.empty(self.rows * longest, dtype=torch.float32, device=device)  # (W, L)
-            scratch = group.scratch_numel(2 * longest)
+            scratch = self.group.scratch_numel(2 * longest)
             self.scratch = torch.empty(scratch, dtype=torch.float32, device=device) if scratch else None
 
+    def release(self) -> None:
+        """Let the step's buffers go (the optimizer's parameters must not view them any more)."""
+        self.received = self.send = self.gathered = self.scratch = None
+
     def buffers(self) -> List[torch.Tensor]:
-        """The exchange's buffers (for the memory report)."""
+        """The exchange's buffers now (for the memory report: none between steps)."""
         return [t for t in (self.received, self.send, self.gathered, self.scratch) if t is not None]
 
     def bring(self, chunk: Chunk) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:

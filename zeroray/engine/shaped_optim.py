@@ -76,9 +76,9 @@ class WholeParamOptimizer:
         if on_disk and offload is None:
             raise ValueError("a master on disk (DiskMaster) needs the disk tier: pass offload=DiskOffload(...)")
         device = self.grad.device
-        # zero-memory placeholders of the real shapes until a chunk's buffers arrive
-        self.params = {n: torch.nn.Parameter(torch.zeros((), device=device).expand(layout.slots[n].shape))
-                       for n in held}
+        # zero-memory placeholders of the real shapes, between the steps that give them a chunk's buffers
+        self.placeholders = {n: torch.zeros((), device=device).expand(layout.slots[n].shape) for n in held}
+        self.params = {n: torch.nn.Parameter(self.placeholders[n]) for n in held}
         pieces = {n: storage.param_piece(n) for n in layout.param_names}
         direct = whole_here and not on_disk
         self.exchange = ParamExchange(
@@ -131,19 +131,25 @@ class WholeParamOptimizer:
         skip = set(unused)
         stepped = False
         chunks = self.exchange.chunks
-        for i, chunk in enumerate(chunks):
-            views = self.exchange.bring(chunk)
-            for name, (values, grad) in views.items():
-                param = self.params[name]
-                param.data = values
-                param.grad = None if name in skip else grad
-            upcoming = self._stepped(chunks[i + 1], skip) if i + 1 < len(chunks) else []
-            try:
-                stepped |= self._update([n for n in views if n not in skip], upcoming)
-            finally:
-                for name in views:
-                    self.params[name].grad = None  # no other chunk's call steps it
-            self.exchange.send_back(chunk)
+        self.exchange.allocate()
+        try:
+            for i, chunk in enumerate(chunks):
+                views = self.exchange.bring(chunk)
+                for name, (values, grad) in views.items():
+                    param = self.params[name]
+                    param.data = values
+                    param.grad = None if name in skip else grad
+                upcoming = self._stepped(chunks[i + 1], skip) if i + 1 < len(chunks) else []
+                try:
+                    stepped |= self._update([n for n in views if n not in skip], upcoming)
+                finally:
+                    for name in views:
+                        self.params[name].grad = None  # no other chunk's call steps it
+                        if not self.exchange.direct:  # the buffers go after the step
+                            self.params[name].data = self.placeholders[name]
+                self.exchange.send_back(chunk)
+        finally:
+            self.exchange.release()
         if not stepped:
             # every rank's optimizer steps every step (an LR scheduler expects it): nothing has a gradient
             self.inner.step()
@@ -204,10 +210,11 @@ class WholeParamOptimizer:
         held = sum(self.layout.slots[n].numel for n in self.params)
         return {"held_params": len(self.params), "held_numel": held,
                 "balanced_numel": self.layout.numel if whole_here else self.layout.numel / self.layout.world_size,
-                "owner_imbalance": 1.0 if whole_here else imbalance(self.layout)}
+                "owner_imbalance": 1.0 if whole_here else imbalance(self.layout),
+                "exchange_step_bytes": self.exchange.step_bytes}
 
     def exchange_buffers(self) -> List[torch.Tensor]:
-        """The exchange's buffers, kept between steps (for memory reports)."""
+        """The exchange's buffers now: none between steps (for memory reports)."""
         return self.exchange.buffers()
 
     def offload_stats(self) -> Dict[str, float]:
