@@ -47,7 +47,9 @@ class ZeroConfig:
         DDP cuts them, so that reduction runs during backward ([Note: first bucket] in
         comm/bucket_plan.py). "auto": gradient buckets start at the default size and, between
         steps, move to the size of the largest run of gradients that arrive within the flush timeout of each other
-        (each change logged on the "zeroray" logger); gathers keep the default size.
+        (each change logged on the "zeroray" logger); gathers keep the default size. It also bounds
+        the buffers of one chunk of an optimizer that steps whole parameters ([Note: whole-parameter
+        exchange] in zeroray/engine/param_exchange.py; with offload="disk": offload_chunk_bytes).
     bucket_timeout_ms: flush timeout of a gradient bucket (None: off, a bucket is launched when
         full and at the end of backward). A bucket is also launched when this long has passed
         since its first gradient arrived, as planned from the gradients' measured arrival in
