@@ -22,7 +22,6 @@ The same class serves stage 0, where the "shard" is the whole model.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -30,6 +29,8 @@ import torch
 
 from zeroray.engine.flat_pieces import FlatPieces
 from zeroray.engine.flat_state import FlatState
+from zeroray.engine.optim_record import decode_hyperparameters, group_key, hyperparameters, load_scheduler_state, \
+    scheduler_state
 from zeroray.layout.local_shard import LocalShard
 from zeroray.layout.owners import is_owned_key
 from zeroray.offload.master import DiskMaster
@@ -90,27 +91,24 @@ class LossScaler:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
-def group_overrides(name: str, param: torch.nn.Parameter,
-                    param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]]) -> Dict[str, Any]:
-    """What ``param_groups(name, param)`` overrides for parameter ``name`` (lr, weight_decay, ...)."""
-    overrides = dict(param_groups(name, param) or {}) if param_groups else {}
-    if "params" in overrides:
-        raise ValueError(f"param_groups({name!r}) returned a 'params' key: return only the "
-                         "overrides (lr, weight_decay, ...) for that parameter")
-    return overrides
+def param_overrides(names: Sequence[str], named: Dict[str, torch.nn.Parameter],
+                    param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]]) -> Dict[str, Dict[str, Any]]:
+    """What ``param_groups(name, param)`` overrides (lr, weight_decay, ...) for each parameter of ``names``."""
+    out = {}
+    for name in names:
+        overrides = dict(param_groups(name, named[name]) or {}) if param_groups else {}
+        if "params" in overrides:
+            raise ValueError(f"param_groups({name!r}) returned a 'params' key: return only the "
+                             "overrides (lr, weight_decay, ...) for that parameter")
+        out[name] = overrides
+    return out
 
 
-def group_key(overrides: Mapping[str, Any]) -> str:
-    """A param group's overrides as the key checkpoints keep its learning rate under."""
-    return json.dumps(dict(overrides), sort_keys=True, default=str)
-
-
-def local_spans(param_spans: Dict[str, Tuple[int, int]], named: Dict[str, torch.nn.Parameter],
-                param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]]) -> List[Tuple[int, int, dict]]:
+def local_spans(param_spans: Dict[str, Tuple[int, int]],
+                overrides: Mapping[str, Dict[str, Any]]) -> List[Tuple[int, int, dict]]:
     """(start, end, overrides) of each parameter's piece in the master tensor, in order:
-    ``param_spans`` with what ``param_groups(name, param)`` overrides for it."""
-    return [(start, end, group_overrides(name, named[name], param_groups))
-            for name, (start, end) in param_spans.items()]
+    ``param_spans`` with what ``param_groups`` overrides for it (``param_overrides``)."""
+    return [(start, end, overrides[name]) for name, (start, end) in param_spans.items()]
 
 
 def build_inner(builder: Callable[[List[dict]], Any], groups: List[dict]) -> torch.optim.Optimizer:
@@ -130,18 +128,32 @@ def clip_(grad: torch.Tensor, max_grad_norm: Optional[float], norm: float) -> No
             grad.mul_(coef)
 
 
-def scheduler_scalars(scheduler: Any) -> Dict[str, Any]:
-    """The JSON-able part of an LR scheduler's state, which checkpoints keep."""
-    return {k: v for k, v in scheduler.state_dict().items() if isinstance(v, (int, float, bool, str))}
+def group_table(scalars: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Each param group's hyperparameters by group key, from an export's scalars (JSON form);
+    a checkpoint from before the optimizer record carries each group's lr only."""
+    table = scalars.get("groups")
+    return table if table is not None else {key: {"lr": lr} for key, lr in scalars.get("group_lr", {}).items()}
 
 
-def load_scheduler(scheduler: Any, inner: torch.optim.Optimizer, scalars: Mapping[str, Any]) -> None:
-    """Restore what ``scheduler_scalars`` kept, its last learning rates those of the groups now."""
-    if scheduler is not None and "scheduler" in scalars:
-        sd = scheduler.state_dict()
-        sd.update(scalars["scheduler"])
-        sd["_last_lr"] = [g["lr"] for g in inner.param_groups]
-        scheduler.load_state_dict(sd)
+def load_groups(groups: Sequence[Dict[str, Any]], keys: Sequence[str], scalars: Mapping[str, Any]) -> None:
+    """Set the ``groups`` of a state_dict (``keys``: their group keys) to the exported hyperparameters."""
+    table = group_table(scalars)
+    for key, g in zip(keys, groups):
+        g.update(decode_hyperparameters(table.get(key, {})))
+
+
+def export_groups(scalars: Dict[str, Any], groups_by_key: Mapping[str, Mapping[str, Any]], scheduler: Any) -> None:
+    """Every group's hyperparameters, as torch's state_dict() holds them, and the scheduler's state
+    ([Note: optimizer record] in engine/optim_record.py), into an export's ``scalars``."""
+    scalars["groups"] = {key: hyperparameters(g) for key, g in groups_by_key.items()}
+    if scheduler is not None:
+        scalars["scheduler"] = scheduler_state(scheduler)
+
+
+def load_scheduler(scheduler: Any, scalars: Mapping[str, Any]) -> None:
+    """The exported scheduler state into ``scheduler`` (after the groups: its last lrs are theirs)."""
+    if scheduler is not None and scalars.get("scheduler") is not None:
+        load_scheduler_state(scheduler, scalars["scheduler"])
 
 
 def build_segments(spans: Sequence[Tuple[int, int, Dict[str, Any]]], total: int,
@@ -176,6 +188,27 @@ def _merge_spans(spans: Sequence[Tuple[int, int, Dict[str, Any]]], total: int) -
     last = segments[-1]
     segments[-1] = Segment(last.start, total, last.overrides)
     return segments
+
+
+ROW = 256  # elements per row of squared_norm's reduction
+
+
+def squared_norm(flat: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of a 1-D fp32 tensor, as a 0-dim fp64 tensor, to fp32 precision.
+
+    ``torch.linalg.vector_norm`` (and ``torch.dot``) of one long fp32 tensor on the CPU
+    accumulate in fp32 along the tensor and lose digits with its length: on 3.3M elements (the
+    main job's gradient on one worker) 3.6e-4 relative, on 13M 1e-2, where torch's own
+    ``clip_grad_norm_`` takes per-parameter norms and is exact to ~1e-7. Clipping multiplies
+    every gradient by ``max_norm / norm``, so that error went into every clipped update, and
+    differently at each worker count (shards of other lengths). So the norm is taken over rows
+    of ``ROW`` elements (fp32 is exact enough over 256), and the rows' squares are summed in
+    fp64: 5e-8 relative on 13M, no gradient-sized temporary (one value per row), and no slower
+    than the one long reduction."""
+    whole = flat.numel() // ROW * ROW
+    rows = torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1).double().square().sum()
+    rest = torch.linalg.vector_norm(flat[whole:]).double().square()
+    return rows + rest
 
 
 class ShardedOptimizer:
@@ -217,6 +250,11 @@ class ShardedOptimizer:
 
     whole_params = False  # flat pieces ([Note: optimizer paths] in engine/optim_choice.py)
 
+    def groups_by_key(self) -> Dict[str, Dict[str, Any]]:
+        """Each torch param group by the key of its overrides (``Segment.key``): what a
+        checkpoint records ([Note: optimizer record] in engine/optim_record.py)."""
+        return {seg.key: g for seg, g in zip(self.segments, self.inner.param_groups)}
+
     @property
     def flat_params(self) -> List[torch.nn.Parameter]:
         """The flat parameters the inner optimizer steps (one per segment until a split)."""
@@ -235,10 +273,9 @@ class ShardedOptimizer:
         return self.inner.state.get(piece.param)
 
     def local_sumsq(self) -> torch.Tensor:
-        """Squared L2 norm of this rank's (already averaged) gradient, a 0-dim fp32 tensor; the
+        """Squared L2 norm of this rank's (already averaged) gradient, a 0-dim fp64 tensor; the
         engine sums it over ranks in the step's status all-reduce."""
-        # vector_norm, not pow(2).sum(): no gradient-sized temporary
-        return torch.linalg.vector_norm(self.grad).square()
+        return squared_norm(self.grad)
 
     def state_tensors(self) -> List[torch.Tensor]:
         """The inner optimizer's state tensors (momentum, variance, ...) in memory, for memory
@@ -337,9 +374,7 @@ class ShardedOptimizer:
                 scalars[f"optim.{k}"] = float(v) if isinstance(v, (torch.Tensor, int, float)) else v
         if self.uneven:
             scalars["optim_per_element"] = per_element
-        scalars["group_lr"] = {seg.key: g["lr"] for seg, g in zip(self.segments, self.inner.param_groups)}
-        if self.scheduler is not None:
-            scalars["scheduler"] = scheduler_scalars(self.scheduler)
+        export_groups(scalars, self.groups_by_key(), self.scheduler)
         return tensors, scalars
 
     def import_state(self, tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any]) -> None:
@@ -378,7 +413,8 @@ class ShardedOptimizer:
         if whole or scalars.get("optim_path") is not None:
             raise ValueError(
                 f"the checkpoint holds the state of an optimizer stepped on whole parameters ({', '.join(whole[:3])}), "
-                "but this one is element-wise and runs on flat pieces: restore it with the optimizer it was saved with")
+                "but this one is element-wise and runs on flat pieces: restore it with the optimizer it was saved with, "
+                "or pass fresh_optimizer=True to restore to start the optimizer's state fresh")
         per_element = scalars.get("optim_per_element")
         flats = {name[6:]: flat for name, flat in tensors.items() if name.startswith("optim.")}
         self.pieces.reset()
@@ -410,15 +446,12 @@ class ShardedOptimizer:
             if entry:
                 state[index[id(pc.param)]] = entry
         sd["state"] = state
-        lrs = scalars.get("group_lr", {})
-        for seg, g in zip(self.segments, sd["param_groups"]):
-            if seg.key in lrs:
-                g["lr"] = lrs[seg.key]
+        load_groups(sd["param_groups"], [seg.key for seg in self.segments], scalars)
         self.inner.load_state_dict(sd)
         if self.disk is not None:
             self.disk.spill(self.inner, self.pieces.pieces)
         self.uneven = per_element is not None
-        load_scheduler(self.scheduler, self.inner, scalars)
+        load_scheduler(self.scheduler, scalars)
 
     def _probe_stateless_groups(self) -> Dict[str, bool]:
         """The state keys (-> whether per element) of the param groups none of whose pieces has

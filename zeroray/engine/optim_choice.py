@@ -39,8 +39,8 @@ import torch
 
 from zeroray.comm.group import Group
 from zeroray.config import ZeroConfig, known_elementwise
-from zeroray.engine.optim import (DiskOffload, ShardedOptimizer, build_inner, build_segments, group_key,
-                                  group_overrides, local_spans)
+from zeroray.engine.optim import DiskOffload, ShardedOptimizer, build_inner, build_segments, local_spans
+from zeroray.engine.optim_record import group_key
 from zeroray.engine.shaped_optim import WholeParamOptimizer
 from zeroray.layout.arena import FlatLayout
 
@@ -76,12 +76,12 @@ def built_class(builder: Callable[[List[dict]], Any], layout: FlatLayout, overri
         return type(build_inner(builder, probe_groups(layout, overrides, device)))
 
 
-def build_optimizer(spec: Any, storage: Any, layout: FlatLayout, named: Dict[str, torch.nn.Parameter],
-                    group: Group, zero: ZeroConfig, param_groups: Optional[Callable] = None,
-                    scheduler: Optional[Callable[[Any], Any]] = None, offload: Optional[DiskOffload] = None) -> Any:
+def build_optimizer(spec: Any, storage: Any, layout: FlatLayout, overrides: Mapping[str, Dict[str, Any]],
+                    group: Group, zero: ZeroConfig, scheduler: Optional[Callable[[Any], Any]] = None,
+                    offload: Optional[DiskOffload] = None) -> Any:
     """The engine's optimizer over ``storage``'s master and gradient: a ``ShardedOptimizer`` (flat)
-    or a ``WholeParamOptimizer``, as [Note: optimizer paths] decides."""
-    overrides = {n: group_overrides(n, named[n], param_groups) for n in layout.param_names}
+    or a ``WholeParamOptimizer``, as [Note: optimizer paths] decides. ``overrides``: what
+    ``param_groups`` gave every trainable parameter (engine/optim.py's ``param_overrides``)."""
     builder = spec.build if hasattr(spec, "build") else spec
     known = known_elementwise(spec)
     if not known:
@@ -90,7 +90,7 @@ def build_optimizer(spec: Any, storage: Any, layout: FlatLayout, named: Dict[str
             raise ValueError("torch.optim.LBFGS re-evaluates the model through a closure, which zeroray's step has "
                              "none of: use another optimizer")
     if known or cls in ELEMENTWISE:
-        segments = build_segments(local_spans(storage.param_spans(), named, param_groups), storage.master.numel(),
+        segments = build_segments(local_spans(storage.param_spans(), overrides), storage.master.numel(),
                                   breaks=storage.master.breaks())
         flat = ShardedOptimizer(spec, storage.master, storage.grad, segments, zero.max_grad_norm, scheduler,
                                 param_spans=storage.param_spans(), offload=offload)

@@ -44,7 +44,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from zeroray.comm.group import Group
-from zeroray.engine.optim import (DiskOffload, build_inner, clip_, group_key, load_scheduler, scheduler_scalars)
+from zeroray.engine.optim import (DiskOffload, build_inner, clip_, export_groups, load_groups, load_scheduler,
+                                  squared_norm)
+from zeroray.engine.optim_record import group_key
 from zeroray.engine.param_exchange import ParamExchange, owned_names
 from zeroray.layout.arena import FlatLayout
 from zeroray.layout.owners import imbalance, is_owned_key, owned_key, param_owners, split_owned_key
@@ -121,8 +123,9 @@ class WholeParamOptimizer:
         return list(self.params)
 
     def local_sumsq(self) -> torch.Tensor:
-        """Squared L2 norm of this rank's (already averaged) gradient, as on the flat path."""
-        return torch.linalg.vector_norm(self.grad).square()
+        """Squared L2 norm of this rank's (already averaged) gradient, a 0-dim fp64 tensor, as on
+        the flat path (engine/optim.py's ``squared_norm``)."""
+        return squared_norm(self.grad)
 
     def step(self, norm: float, unused: Sequence[str] = ()) -> None:
         """Clip by the global norm and update every parameter but ``unused`` (those no rank
@@ -230,6 +233,11 @@ class WholeParamOptimizer:
 
     # --- state for checkpoints, resizes and snapshots: per parameter, by name ----------------
 
+    def groups_by_key(self) -> Dict[str, Dict[str, Any]]:
+        """Each torch param group by the key of its overrides: what a checkpoint records ([Note:
+        optimizer record] in engine/optim_record.py). Every rank has every group (some empty)."""
+        return dict(zip(self.group_keys, self.inner.param_groups))
+
     def exported_params(self) -> List[str]:
         """The parameters whose state this rank exports: those the owner map gives it."""
         return [n for n in self.params if self.owners[n] == self.rank]
@@ -237,8 +245,8 @@ class WholeParamOptimizer:
     def export_state(self, live: bool = False) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         """Each exported parameter's state, whole: tensors (copies, or, ``live``, the optimizer's
         own where they are on the CPU: the snapshot's use, which the next update waits for) and
-        numbers as 0-dim tensors; the scalars say which path's state it is, with the groups'
-        learning rates and the scheduler's state."""
+        numbers as 0-dim tensors; the scalars say which path's state it is, with every group's
+        hyperparameters and the scheduler's state, as the flat path exports them."""
         tensors: Dict[str, torch.Tensor] = {}
         for name in self.exported_params():
             state = self.param_state(name) or {}
@@ -251,10 +259,8 @@ class WholeParamOptimizer:
                 else:
                     raise ValueError(f"the optimizer keeps state {key!r} of parameter {name!r} as a "
                                      f"{type(value).__name__}; zeroray saves tensors and numbers only")
-        scalars: Dict[str, Any] = {"optim_path": PATH,
-                                   "group_lr": {k: g["lr"] for k, g in zip(self.group_keys, self.inner.param_groups)}}
-        if self.scheduler is not None:
-            scalars["scheduler"] = scheduler_scalars(self.scheduler)
+        scalars: Dict[str, Any] = {"optim_path": PATH}
+        export_groups(scalars, self.groups_by_key(), self.scheduler)
         return tensors, scalars
 
     def import_state(self, tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any]) -> None:
@@ -265,7 +271,8 @@ class WholeParamOptimizer:
             raise ValueError(
                 "the checkpoint holds the optimizer state of an element-wise optimizer stepped on flat pieces "
                 f"({', '.join(flat[:3])}), but this optimizer takes the whole-parameter path: restore it with the "
-                "optimizer it was saved with (or declare this one element-wise with zr.elementwise if it is)")
+                "optimizer it was saved with (or declare this one element-wise with zr.elementwise if it is), or pass "
+                "fresh_optimizer=True to restore to start the optimizer's state fresh")
         entries: Dict[str, Dict[str, Any]] = {}
         for k, value in tensors.items():
             if not is_owned_key(k):
@@ -282,15 +289,12 @@ class WholeParamOptimizer:
         index = {id(p): i for g, sg in zip(self.inner.param_groups, sd["param_groups"])
                  for p, i in zip(g["params"], sg["params"])}
         sd["state"] = {index[id(self.params[name])]: entry for name, entry in entries.items()}
-        lrs = scalars.get("group_lr", {})
-        for k, g in zip(self.group_keys, sd["param_groups"]):
-            if k in lrs:
-                g["lr"] = lrs[k]
+        load_groups(sd["param_groups"], self.group_keys, scalars)
         self.inner.load_state_dict(sd)
         if self.disk is not None:
             for name in entries:
                 self.disk.put(name, self.inner.state[self.params[name]])
-        load_scheduler(self.scheduler, self.inner, scalars)
+        load_scheduler(self.scheduler, scalars)
 
 
 def _master_files(offload: DiskOffload, master: DiskMaster) -> DiskStepper:

@@ -9,7 +9,10 @@ per new rank): piece ``(r, j)`` holds exactly the slices of ``r``'s shard that n
 owns, found with the pure range math of ``zeroray.checkpoint.reshard.plan``, and, from the
 old rank that new rank ``j`` takes them from (``min(j, N - 1)``, as a restore does), the
 per-rank scalars and unsharded tensors, and the whole-parameter optimizer state ``r`` holds of
-the parameters ``j`` owns ([Note: parameter owners] in layout/owners.py). New rank ``j`` then fetches its N pieces one at a
+the parameters ``j`` owns ([Note: parameter owners] in layout/owners.py). Every piece also
+carries its old rank's param-group hyperparameters (the scalars' ``groups``, by group key): an
+old rank holds only the groups of its own slices, and new rank ``j`` may hold a group its source
+rank held none of. New rank ``j`` then fetches its N pieces one at a
 time (``Worker.load_pieces``), copies each into place and drops it before fetching the next.
 So an old worker holds its own state and one copy of it in pieces, and a new worker its own
 state, the shard it assembles and one piece: O(model / N + model / M), never the whole
@@ -66,7 +69,8 @@ def cut_pieces(old_layout: FlatLayout, old_rank: int, tensors: Mapping[str, torc
             "copies": [(c.src_start, c.src_end, c.dst_start) for c in copies],
             "tensors": {k: to_wire(torch.cat([v[c.src_start:c.src_end] for c in copies]) if copies else v[:0])
                         for k, v in sharded.items()},
-            "owned": {k: to_wire(v) for k, v in owned.items() if split_owned_key(k, names)[0] in wanted}}
+            "owned": {k: to_wire(v) for k, v in owned.items() if split_owned_key(k, names)[0] in wanted},
+            "groups": scalars.get("groups") or {}}
         if min(rank, old_layout.world_size - 1) == old_rank:  # where new rank `rank` takes per-rank values
             piece["scalars"] = scalars
             piece["rank_tensors"] = {k: v.detach().cpu().clone() for k, v in others.items()}
@@ -81,6 +85,7 @@ class PieceAssembler:
         self.shard_numel = new_layout.shard_numel
         self.tensors: Dict[str, torch.Tensor] = {}  # key -> this rank's flat shard (1-D)
         self.scalars: Dict[str, Any] = {}
+        self.groups: Dict[str, Any] = {}  # every old rank's param groups' hyperparameters, by key
         self._has_scalars = False
 
     def add(self, piece: Mapping[str, Any]) -> None:
@@ -96,6 +101,7 @@ class PieceAssembler:
                 offset += n
         for key, data in piece.get("owned", {}).items():
             self.tensors[key] = from_wire(data).clone()  # its own memory: the piece goes after this
+        self.groups.update(piece.get("groups") or {})
         if "scalars" in piece:
             self.scalars = piece["scalars"]
             self.tensors.update(piece["rank_tensors"])
@@ -105,4 +111,6 @@ class PieceAssembler:
         """(tensors, scalars) for ``Engine.import_state``."""
         if not self._has_scalars:
             raise RuntimeError("resize: no old worker sent this rank its step count and per-rank state")
-        return self.tensors, self.scalars
+        if "groups" not in self.scalars:
+            return self.tensors, self.scalars
+        return self.tensors, {**self.scalars, "groups": {**self.groups, **self.scalars["groups"]}}
