@@ -21,7 +21,11 @@ weights, AdamW on the rest: tests/whole_param_optimizers.py) on transformers' GP
 config (tests/real_models.py), stages 0-3, 2 workers, fp32, 5 steps, against single-process torch
 with the same optimizer and global batches: the largest relative loss difference over the steps
 and the largest absolute parameter difference at the end, *before* (the flat path forced:
-``zr.elementwise(...)``, what every release before issue 41 did) and *after* (the default). The
+``zr.elementwise(...)``, what every release before issue 41 did) and *after* (the default). And a
+model converted by ``convert_sync_batchnorm`` (tests/batchnorm_models.py) against single-process
+plain BatchNorm on the global batch, with its running statistics: *before* the same model with
+plain BatchNorm, a per-worker normalisation, which is what a SyncBatchNorm ran as on the workers
+before torch.distributed existed there; *after* the SyncBatchNorm model. The
 last column is single-process torch against itself with only its gradient's summation order
 changed (two micro-batches accumulated): Muon's Newton-Schulz iteration runs in bf16, which turns
 last-bit differences into differences near 1e-3, in torch alone too.
@@ -147,45 +151,69 @@ def cost(rounds: int) -> None:
 
 def _table_specs():
     import zeroray as zr
+    from tests.batchnorm_models import class_loss, conv_bn, image_batches, sync_conv_bn
     from tests.real_models import hf_gpt2, real_batches, real_loss
     from tests.whole_param_optimizers import adafactor, muon_adamw
 
-    batches = real_batches(5)
+    batches = real_batches(TABLE_STEPS)
     specs = {}
     for name, fn in (("Adafactor", adafactor), ("Muon + AdamW", muon_adamw)):
         for stage in (0, 1, 2, 3):
             for when, spec in (("before", zr.elementwise(fn)), ("after", fn)):
                 specs[(name, stage, when)] = (2, dict(model_fn=hf_gpt2, loss_fn=real_loss, optimizer=spec,
                                                       zero=zr.ZeroConfig(stage=stage), batches=batches))
+    for stage in (0, 1, 2, 3):  # before: what a SyncBatchNorm was on the workers, a per-worker BatchNorm
+        for when, model_fn in (("before", conv_bn), ("after", sync_conv_bn)):
+            specs[("SyncBatchNorm", stage, when)] = (2, dict(
+                model_fn=model_fn, loss_fn=class_loss, optimizer=zr.AdamW(**BN_ADAMW), zero=zr.ZeroConfig(stage=stage),
+                batches=image_batches(TABLE_STEPS)))
     return specs
 
 
+TABLE_STEPS = 5
+BN_ADAMW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _diff(losses, params, ref, buffers=()):
+    """The largest relative loss difference over the steps, the largest absolute difference of the
+    final parameters (and of the buffers, when named)."""
+    loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref[0]))
+    worst = {True: 0.0, False: 0.0}
+    for k, v in ref[2].items():
+        got = params[k].reshape(v.shape).to(v.dtype)
+        worst[k in buffers] = max(worst[k in buffers], (got.double() - v.double()).abs().max().item())
+    return f"loss {loss:.1e}, params {worst[False]:.1e}" + (f", buffers {worst[True]:.1e}" if buffers else "")
+
+
 def table() -> None:
+    from tests.batchnorm_models import class_loss, conv_bn, image_batches
     from tests.dist.harness import run_engine_table
     from tests.dist.test_engine_parity import global_losses
     from tests.models import reference_run
     from tests.real_models import hf_gpt2, real_batches, real_loss
     from tests.whole_param_optimizers import adafactor, muon_adamw, trainable
 
-    batches = real_batches(5)
+    batches = real_batches(TABLE_STEPS)
     runs = run_engine_table(_table_specs())
-
-    def diff(losses, params, ref):
-        loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref[0]))
-        worst = max((params[k].reshape(v.shape) - v).abs().max().item() for k, v in ref[2].items())
-        return f"loss {loss:.1e}, params {worst:.1e}"
-
-    print("GPT-2 (transformers, tiny config), 2 workers, fp32, 5 steps, against single-process torch "
-          "(loss: largest relative difference over the steps; params: largest absolute difference at the end)")
+    print(f"2 workers, fp32, {TABLE_STEPS} steps, against single-process torch with the same optimizer and global "
+          "batches (loss: largest relative difference over the steps; params, buffers: largest absolute difference "
+          "at the end). Adafactor and Muon + AdamW: GPT-2 (transformers, tiny config); SyncBatchNorm: two "
+          "conv-BatchNorm2d blocks converted by convert_sync_batchnorm, AdamW, against plain BatchNorm on the "
+          "global batch")
     print("| recipe | | stage 0 | stage 1 | stage 2 | stage 3 | torch against itself, reordered |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, fn in (("Adafactor", adafactor), ("Muon + AdamW", muon_adamw)):
-        make = lambda m, fn=fn: fn(trainable(m))
-        ref = reference_run(hf_gpt2, real_loss, make, batches)
-        reordered = reference_run(hf_gpt2, real_loss, make, batches, accum=2)
+    rows = [(name, hf_gpt2, real_loss, lambda m, fn=fn: fn(trainable(m)), batches, ())
+            for name, fn in (("Adafactor", adafactor), ("Muon + AdamW", muon_adamw))]
+    bn_buffers = {n for n, _ in conv_bn().named_buffers()}
+    rows.append(("SyncBatchNorm", conv_bn, class_loss, lambda m: torch.optim.AdamW(m.parameters(), **BN_ADAMW),
+                 image_batches(TABLE_STEPS), bn_buffers))
+    for name, model, loss_fn, make, data, buffers in rows:
+        ref = reference_run(model, loss_fn, make, data)
+        reordered = reference_run(model, loss_fn, make, data, accum=2)
         for when in ("before", "after"):
-            cells = [diff(global_losses(runs[(name, s, when)][0]), runs[(name, s, when)][1], ref) for s in range(4)]
-            last = diff(reordered[0], reordered[2], ref) if when == "after" else ""
+            cells = [_diff(global_losses(runs[(name, s, when)][0]), runs[(name, s, when)][1], ref, buffers)
+                     for s in range(4)]
+            last = _diff(reordered[0], reordered[2], ref, buffers) if when == "after" else ""
             print(f"| {name} | {when} | " + " | ".join(cells) + f" | {last} |")
 
 

@@ -1,8 +1,11 @@
 """Optimizers that are not element-wise, as users bring them, for the whole-parameter path's tests:
 a LAMB written here (a per-tensor trust ratio), and the usual Muon recipe (torch.optim.Muon on
 the 2-D hidden weights, AdamW on embeddings, the head and every 1-D parameter) as one optimizer.
-Each records the shapes it stepped, so a test can check the shape-aware step really ran."""
+Each records the shapes it stepped, and the Muon recipe the matrix multiplications its Muon ran
+(torch's FlopCounterMode around the step), so a test can check the shape-aware step really ran:
+DeepSpeed's Muon was silently 1-D (#8438) and silently plain SGD (#8441)."""
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 
 class Lamb(torch.optim.Optimizer):
@@ -80,6 +83,15 @@ class MuonFP32(torch.optim.Muon):
                 p.add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # adjust_lr_fn "original"
 
 
+def newton_schulz_flops(shape, ns_steps=5):
+    """The multiply-adds (as FlopCounterMode counts them: 2 per) of one Newton-Schulz
+    orthogonalisation of a ``shape`` matrix, torch.optim.Muon's and ``orthogonalise_fp32``'s alike:
+    per iteration, on the short side m and the long side n, the Gram matrix (m x n by n x m), its
+    square (m x m by m x m) and the update (m x m by m x n)."""
+    m, n = sorted(shape)
+    return ns_steps * (2 * m * m * n + 2 * m * m * m + 2 * m * m * n)
+
+
 def _for_muon(name, p):
     return p.ndim == 2 and not any(k in (name or "") for k in ("emb", "wte", "wpe", "head", "tok", "pos"))
 
@@ -93,6 +105,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=0.02, adamw_lr=1e-2, weight_decay=0.01, muon=torch.optim.Muon, adamw_eps=1e-5):
         super().__init__(params, dict(lr=lr, adamw_lr=adamw_lr, weight_decay=weight_decay))
         self.muon_shapes = []  # the shapes Muon stepped, in order
+        self.muon_flops = 0  # the matrix multiplications Muon's steps ran, counted by torch
         muon_groups, adamw_groups = [], []
         for g in self.param_groups:
             names = g.get("param_names") or [None] * len(g["params"])
@@ -116,7 +129,9 @@ class MuonAdamW(torch.optim.Optimizer):
         for g, mg, ag in zip(self.param_groups, self.muon.param_groups, self.adamw.param_groups):
             mg["lr"], ag["lr"] = g["lr"], g["adamw_lr"]  # an LR scheduler changes this optimizer's groups
             self.muon_shapes += [tuple(p.shape) for p in mg["params"] if p.grad is not None]
-        self.muon.step()
+        with FlopCounterMode(display=False) as counted:
+            self.muon.step()
+        self.muon_flops += counted.get_total_flops()
         self.adamw.step()
 
 

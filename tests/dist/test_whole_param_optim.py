@@ -12,8 +12,10 @@ optimizer and global batches, to the parity tests' tolerance:
   (bitwise the run in memory), a checkpoint saved at one size and stage and loaded at another.
 
 Each run also checks that the shape-aware step really ran (the shapes the optimizer saw, the
-factored state, Muon's matrices: DeepSpeed's Muon was silently off twice) and that the state
-stays sharded: at stages 1-3 every parameter's state is on exactly one rank.
+factored state, and Muon's matrix multiplications counted by torch's FlopCounterMode, which must
+be single-process torch's own count, each Newton-Schulz iteration's on each whole matrix: DeepSpeed's
+Muon was silently 1-D (#8438) and silently plain SGD (#8441), with the loss still moving) and that
+the state stays sharded: at stages 1-3 every parameter's state is on exactly one rank.
 
 torch.optim.Muon's Newton-Schulz iteration runs in bf16, which turns the last-bit difference a
 gradient summed in another order carries (over workers here, or over micro-batches in one
@@ -32,7 +34,8 @@ from tests.dist.test_unused_params import _resize, _restore, _save
 from tests.experts import expert_batches, experts_model, unused_in
 from tests.models import lm_loss, make_batches, parity_model, reference_run
 from tests.real_models import hf_gpt2, real_batches, real_loss
-from tests.whole_param_optimizers import adafactor, lamb, muon_adamw, muon_fp32_adamw, trainable
+from tests.whole_param_optimizers import (adafactor, lamb, muon_adamw, muon_fp32_adamw, newton_schulz_flops,
+                                          trainable)
 
 STEPS = 5
 WORLDS = (2, 3)
@@ -70,6 +73,7 @@ def inspect(engine):
             state[name] = {k: tuple(v.shape) for k, v in held.items() if isinstance(v, torch.Tensor)}
     return {"path": type(opt).__name__, "inner": type(inner).__name__, "state": state,
             "stepped": getattr(inner, "shapes_seen", None) or getattr(inner, "muon_shapes", None),
+            "matrix_flops": getattr(inner, "muon_flops", None),
             "shapes": {n: engine.layout.slots[n].shape for n in engine.layout.param_names},
             "exchange": (len(opt.exchange_buffers()), opt.share()["exchange_step_bytes"]) if engine.whole_params
             else None}
@@ -156,6 +160,30 @@ def _check_sharded_state(results, stage, what):
     assert all(h != names for h in held), (what, held)
 
 
+def reference_with_optimizer(model_fn, loss_fn, make_opt, batches):
+    """``reference_run``, and the optimizer it stepped (to read what it recorded)."""
+    made = []
+    ref = reference_run(model_fn, loss_fn, lambda m: made.append(make_opt(m)) or made[-1], batches)
+    return ref, made[0]
+
+
+def _check_matrix_work(results, ref_opt, stage, what):
+    """Muon's Newton-Schulz multiplications, counted by torch on the ranks, are single-process
+    torch's: every matrix, whole, every step (once on its owner at stages 1-3; on every rank at
+    stage 0, which steps every parameter as DDP does). The reference's count is each matrix's
+    iterations, so a 1-D Muon or one that fell back to SGD counts 0 or other figures."""
+    want = ref_opt.muon_flops
+    assert want == sum(newton_schulz_flops(s) for s in ref_opt.muon_shapes) > 0, (want, ref_opt.muon_shapes)
+    counted = [r["inspect"]["matrix_flops"] for r in results]
+    stepped = sorted(tuple(s) for r in results for s in r["inspect"]["stepped"])
+    if stage == 0:
+        assert counted == [want] * len(results), (what, counted, want)
+        assert stepped == sorted(ref_opt.muon_shapes * len(results)), (what, stepped)
+    else:
+        assert sum(counted) == want, (what, counted, want)
+        assert stepped == sorted(ref_opt.muon_shapes), (what, stepped)
+
+
 def _check_shapes(results, name, what):
     """The state and the steps are the real shapes (the issue's silent failure: all of it 1-D)."""
     for r in results:
@@ -180,13 +208,15 @@ def _check_shapes(results, name, what):
 def test_optimizers_that_are_not_elementwise_match_pytorch(runs, world):
     batches = make_batches(STEPS)
     for name, (_, ref_opt, _) in OPTIMIZERS.items():
-        ref = reference_run(parity_model, lm_loss, ref_opt, batches)
+        ref, ref_optimizer = reference_with_optimizer(parity_model, lm_loss, ref_opt, batches)
         for stage in STAGES:
             results, params = runs[("parity", name, world, stage)]
             what = f"{name}, stage {stage}, {world} workers"
             try:
                 assert_parity(ref, results, params)
                 _check_shapes(results, name, what)
+                if name == "muon":
+                    _check_matrix_work(results, ref_optimizer, stage, what)
                 if OPTIMIZERS[name][2] == "WholeParamOptimizer":
                     _check_sharded_state(results, stage, what)
             except AssertionError as e:
@@ -232,34 +262,53 @@ def _reorder_spread(model_fn, loss_fn, make_opt, batches, ref):
 
 @pytest.fixture(scope="module")
 def gpt2_references():
-    """Single-process torch per optimizer, and for torch's Muon its spread under reordering."""
+    """Single-process torch per optimizer (and the optimizer, for its counts), and for torch's
+    Muon its spread under reordering."""
     batches = real_batches(STEPS)
     refs = {}
     for name in GPT2_OPTIMIZERS:
         make_opt = lambda m, name=name: _gpt2_optimizer(name)(trainable(m))
-        ref = reference_run(hf_gpt2, real_loss, make_opt, batches)
-        refs[name] = (ref, _reorder_spread(hf_gpt2, real_loss, make_opt, batches, ref) if name == "muon" else None)
+        ref, ref_optimizer = reference_with_optimizer(hf_gpt2, real_loss, make_opt, batches)
+        spread = _reorder_spread(hf_gpt2, real_loss, make_opt, batches, ref) if name == "muon" else None
+        refs[name] = (ref, ref_optimizer, spread)
     return refs
+
+
+# torch's bf16 Muon: zeroray's run is single-process torch with its gradients summed in another
+# order (over the workers), one more perturbation of the kind the spread measures; two of them may
+# add, so the bound is twice torch's own spread, and never below the fp32 parity tolerance (a
+# spread that happened to flip no bf16 rounding). Measured (-s prints it): torch's spread on GPT-2
+# is 9.4e-6 relative in the loss and 1.5e-3 absolute in the parameters (an fp32 Muon's: 1.1e-7
+# and 1.2e-6; on ParityNet, whose one Muon matrix is 7 x 7, 1.1e-7 and 2.4e-7, so the parity
+# tolerance holds it there), and zeroray reaches at most ZR_FRACTION of the bound.
+SPREAD_MULTIPLE, PARITY_TOLERANCE = 2, 1e-5
+
+
+def _within_torchs_own_spread(ref, spread, results, params, what):
+    loss_bound, param_bound = (max(SPREAD_MULTIPLE * s, PARITY_TOLERANCE) for s in spread)
+    loss = max(abs(a - b) / abs(b) for a, b in zip(global_losses(results), ref[0]))
+    worst = max((params[k].reshape(v.shape) - v).abs().max().item() for k, v in ref[2].items())
+    print(f"{what}: loss {loss:.1e} (torch against itself {spread[0]:.1e}, bound {loss_bound:.1e}), "
+          f"params {worst:.1e} ({spread[1]:.1e}, bound {param_bound:.1e}), "
+          f"of the bound {max(loss / loss_bound, worst / param_bound):.2f}")
+    assert loss <= loss_bound and worst <= param_bound, (loss, worst, loss_bound, param_bound)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_transformers_model_with_each_optimizer(runs, gpt2_references, world):
     for name in GPT2_OPTIMIZERS:
-        ref, spread = gpt2_references[name]
+        ref, ref_optimizer, spread = gpt2_references[name]
         for stage in GPT2_STAGES:
             results, params = runs[("gpt2", name, world, stage)]
             what = f"GPT-2, {name}, stage {stage}, {world} workers"
             try:
                 if name == "muon":  # bf16 Newton-Schulz: torch's own spread under reordering (module docstring)
-                    loss_bound, param_bound = spread
-                    loss = max(abs(a - b) / abs(b) for a, b in zip(global_losses(results), ref[0]))
-                    worst = max((params[k].reshape(v.shape) - v).abs().max().item() for k, v in ref[2].items())
-                    print(f"{what}: loss {loss:.1e} (torch against itself {loss_bound:.1e}), params {worst:.1e} "
-                          f"({param_bound:.1e})")
-                    assert loss <= 2 * loss_bound and worst <= 2 * param_bound, (loss, worst, loss_bound, param_bound)
+                    _within_torchs_own_spread(ref, spread, results, params, what)
                 else:
                     assert_parity(ref, results, params)
                 _check_shapes(results, name, what)
+                if name.startswith("muon"):
+                    _check_matrix_work(results, ref_optimizer, stage, what)
                 _check_sharded_state(results, stage, what)
             except AssertionError as e:
                 raise AssertionError(f"{what}: {e}") from None
