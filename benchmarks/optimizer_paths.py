@@ -28,7 +28,8 @@ plain BatchNorm, a per-worker normalisation, which is what a SyncBatchNorm ran a
 before torch.distributed existed there; *after* the SyncBatchNorm model. The
 last column is single-process torch against itself with only its gradient's summation order
 changed (two micro-batches accumulated): Muon's Newton-Schulz iteration runs in bf16, which turns
-last-bit differences into differences near 1e-3, in torch alone too.
+last-bit differences into parameter differences of the order of 1e-3, in torch alone too
+(tests/dist/test_whole_param_optim.py bounds zeroray's Muon by that spread).
 """
 from __future__ import annotations
 
@@ -41,7 +42,6 @@ import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _path in (os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "examples"), ROOT):
@@ -112,20 +112,14 @@ def _cost_rank(rank: int, world: int, ports: list, rows: list, out_dir: str) -> 
 
 
 def cost(rounds: int) -> None:
+    from tests.dist.harness import spawn_ranks
     from zeroray.comm.port import free_port
 
     world = 2
     rows = [(stage, path) for _ in range(rounds) for stage in STAGES for path in PATHS]
     out_dir = tempfile.mkdtemp(prefix="zr-optimizer-paths-")
     ports = [free_port() for _ in rows]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_cost_rank, args=(r, world, ports, rows, out_dir)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode != 0 for p in procs):
-        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    spawn_ranks(_cost_rank, world, (world, ports, rows), out_dir, join_s=None)
     ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
     spec = BenchSpec(num_workers=world)
     print(f"model {spec.model} d_model {spec.d_model} x {spec.n_layers} layers, {world} workers, fp32, "
@@ -163,9 +157,9 @@ def _table_specs():
                 specs[(name, stage, when)] = (2, dict(model_fn=hf_gpt2, loss_fn=real_loss, optimizer=spec,
                                                       zero=zr.ZeroConfig(stage=stage), batches=batches))
     for stage in (0, 1, 2, 3):  # before: what a SyncBatchNorm was on the workers, a per-worker BatchNorm
-        for when, model_fn in (("before", conv_bn), ("after", sync_conv_bn)):
+        for when, bn_model in (("before", conv_bn), ("after", sync_conv_bn)):
             specs[("SyncBatchNorm", stage, when)] = (2, dict(
-                model_fn=model_fn, loss_fn=class_loss, optimizer=zr.AdamW(**BN_ADAMW), zero=zr.ZeroConfig(stage=stage),
+                model_fn=bn_model, loss_fn=class_loss, optimizer=zr.AdamW(**BN_ADAMW), zero=zr.ZeroConfig(stage=stage),
                 batches=image_batches(TABLE_STEPS)))
     return specs
 

@@ -9,7 +9,7 @@ import torch
 
 import zeroray as zr
 from tests.models import lm_loss, make_batches, parity_model, reference_run
-from tests.whole_param_optimizers import Lamb, MuonAdamW, adafactor, trainable
+from tests.whole_param_optimizers import Lamb, MuonAdamW, adafactor, newton_schulz_flops, trainable
 from zeroray.comm.group import SoloGroup
 from zeroray.engine.engine import Engine
 from zeroray.engine.optim import ShardedOptimizer
@@ -103,6 +103,24 @@ def test_every_elementwise_class_takes_the_flat_path_and_trains_as_torch():
 
 def test_what_zeroray_cannot_know_takes_the_whole_parameter_path():
     _each_takes(WHOLE_SPECS, WholeParamOptimizer)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_muon_runs_its_matrix_work_as_single_process_torch(stage):
+    """The Muon recipe's Newton-Schulz multiplications, counted by torch (FlopCounterMode), are
+    those of single-process torch: every 2-D hidden weight whole, every step. Flat pieces would
+    give Muon no matrix at all (DeepSpeed #8438), and a step that fell back to SGD none (#8441)."""
+    made = []
+    reference_run(parity_model, lm_loss, lambda m: made.append(MuonAdamW(trainable(m))) or made[-1],
+                  make_batches(STEPS))
+    engine, _, _ = _train(lambda p: MuonAdamW(p), stage=stage)
+    inner = engine.optimizer.inner
+    assert inner.muon_shapes == made[0].muon_shapes and len(inner.muon_shapes) == STEPS
+    assert inner.muon_flops == made[0].muon_flops == sum(newton_schulz_flops(s) for s in inner.muon_shapes) > 0
+    engine.close()
+    flat, _, _ = _train(zr.elementwise(lambda p: MuonAdamW(p)), stage=stage)  # the flat path, forced
+    assert flat.optimizer.inner.muon_flops == 0 and not flat.optimizer.inner.muon_shapes
+    flat.close()
 
 
 def test_declared_and_own_specs_take_the_flat_path():
