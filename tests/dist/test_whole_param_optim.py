@@ -23,6 +23,8 @@ process) into update differences near 1e-3 on GPT-2's matrices; there zeroray is
 single-process torch shows against itself when only its gradient's summation order changes,
 and a Muon with the iteration in fp32 is held to the parity tolerance.
 """
+import functools
+
 import pytest
 import torch
 
@@ -110,7 +112,8 @@ def runs():
         for stage in STAGES:
             for name, (spec, _, _) in OPTIMIZERS.items():
                 table[("parity", name, world, stage)] = (world, _spec(spec, stage, batches))
-            table[("groups", world, stage)] = (world, _spec(adamw, stage, batches, param_groups=no_decay_on_bias_and_norm))
+            table[("groups", world, stage)] = (world, _spec(adamw, stage, batches,
+                                                            param_groups=no_decay_on_bias_and_norm))
             table[("groups-sched", world, stage)] = (world, _spec(
                 adafactor_decay, stage, batches, param_groups=no_decay_on_bias_and_norm, scheduler=warmup))
             table[("unused", world, stage)] = (world, _spec(adafactor_decay, stage, expert_batches(STEPS, world),
@@ -204,6 +207,20 @@ def _check_shapes(results, name, what):
             assert len(stepped) >= STEPS, (what, stepped)
 
 
+def _check_run(name, stage, what, results, ref_optimizer, parity):
+    """``parity()``, then that the shape-aware step ran (the shapes, Muon's matrix work) and that the
+    whole-parameter path's state is sharded; a failure names the run."""
+    try:
+        parity()
+        _check_shapes(results, name, what)
+        if name.startswith("muon"):
+            _check_matrix_work(results, ref_optimizer, stage, what)
+        if OPTIMIZERS.get(name, (None, None, "WholeParamOptimizer"))[2] == "WholeParamOptimizer":
+            _check_sharded_state(results, stage, what)
+    except AssertionError as e:
+        raise AssertionError(f"{what}: {e}") from None
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_optimizers_that_are_not_elementwise_match_pytorch(runs, world):
     batches = make_batches(STEPS)
@@ -212,15 +229,8 @@ def test_optimizers_that_are_not_elementwise_match_pytorch(runs, world):
         for stage in STAGES:
             results, params = runs[("parity", name, world, stage)]
             what = f"{name}, stage {stage}, {world} workers"
-            try:
-                assert_parity(ref, results, params)
-                _check_shapes(results, name, what)
-                if name == "muon":
-                    _check_matrix_work(results, ref_optimizer, stage, what)
-                if OPTIMIZERS[name][2] == "WholeParamOptimizer":
-                    _check_sharded_state(results, stage, what)
-            except AssertionError as e:
-                raise AssertionError(f"{what}: {e}") from None
+            parity = functools.partial(assert_parity, ref, results, params)
+            _check_run(name, stage, what, results, ref_optimizer, parity)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -301,17 +311,10 @@ def test_a_transformers_model_with_each_optimizer(runs, gpt2_references, world):
         for stage in GPT2_STAGES:
             results, params = runs[("gpt2", name, world, stage)]
             what = f"GPT-2, {name}, stage {stage}, {world} workers"
-            try:
-                if name == "muon":  # bf16 Newton-Schulz: torch's own spread under reordering (module docstring)
-                    _within_torchs_own_spread(ref, spread, results, params, what)
-                else:
-                    assert_parity(ref, results, params)
-                _check_shapes(results, name, what)
-                if name.startswith("muon"):
-                    _check_matrix_work(results, ref_optimizer, stage, what)
-                _check_sharded_state(results, stage, what)
-            except AssertionError as e:
-                raise AssertionError(f"{what}: {e}") from None
+            # torch's bf16 Muon: held to torch's own spread under reordering (module docstring)
+            parity = (functools.partial(_within_torchs_own_spread, ref, spread, results, params, what)
+                      if name == "muon" else functools.partial(assert_parity, ref, results, params))
+            _check_run(name, stage, what, results, ref_optimizer, parity)
 
 
 @pytest.mark.parametrize("world", WORLDS)
