@@ -70,6 +70,7 @@ import torch
 
 from zeroray.checkpoint import plan
 from zeroray.layout.arena import FlatLayout
+from zeroray.layout.owners import owned_by, param_owners
 from zeroray.runtime.state_transfer import PieceAssembler, cut_pieces, from_wire, to_wire
 
 
@@ -152,11 +153,16 @@ def on_release(values: List[Any], callback: Callable[[], None]) -> None:
         weakref.finalize(value, gone)
 
 
-def needed_ranks(old_layout: FlatLayout, target: Tuple[Dict[str, Any], int]) -> List[int]:
-    """The old ranks whose shards hold a new worker's slices, or its per-rank values."""
+def needed_ranks(old_layout: FlatLayout, target: Tuple[Dict[str, Any], int], whole_params: bool = False) -> List[int]:
+    """The old ranks whose shards hold a new worker's slices, or its per-rank values, and with
+    ``whole_params`` (an optimizer stepping whole parameters) the state of the parameters it owns."""
     layout_dict, rank = target
-    ranks = {c.src_rank for c in plan(old_layout, FlatLayout.from_dict(layout_dict), rank)}
+    new_layout = FlatLayout.from_dict(layout_dict)
+    ranks = {c.src_rank for c in plan(old_layout, new_layout, rank)}
     ranks.add(min(rank, old_layout.world_size - 1))  # where a new rank takes its scalars (as a resize does)
+    if whole_params:
+        old_owner = param_owners(old_layout)
+        ranks.update(old_owner[name] for name in owned_by(new_layout, rank))
     return sorted(ranks)
 
 
