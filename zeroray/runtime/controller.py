@@ -397,7 +397,8 @@ class Controller:
         t0 = time.monotonic()
         self.slot.release()
         self.in_flight = 0
-        decision = scaling.on_restart(*_free_resources(scaling))
+        decision = scaling.on_restart(*(_free_resources(scaling) if self.scaling.placement_group is None
+                                        else _given_bundles_room(self.scaling)))
         if decision.action is Action.RESIZE:
             note(f"zeroray: {decision.reason}")
         t1 = time.monotonic()
@@ -519,14 +520,16 @@ class Controller:
                 f"The trainer still holds step {self.step_count} (data_position {self.data_position}): fix the "
                 "storage (free space, permissions) and call trainer.save(), or fit(...) again to go on")
 
-    def load(self, path: Any) -> None:
-        """Every worker reads its slices of the checkpoint at ``path`` (a root or a step directory)."""
+    def load(self, path: Any, given_optimizer: bool = False) -> None:
+        """Every worker reads its slices of the checkpoint at ``path`` (a root or a step directory).
+        ``given_optimizer``: the workers keep their optimizer's learning rates instead of the
+        checkpoint's ([Note: an optimizer given to restore] in restore.py)."""
         from zeroray.checkpoint import checkpoint_dir, load_manifest
 
         step_dir = checkpoint_dir(path)  # every worker reads the same step, even if a save lands now
         manifest = load_manifest(step_dir)
         group = self.group
-        steps = group.wait_all(group.call("load_checkpoint", step_dir), None, "restore")
+        steps = group.wait_all(group.call("load_checkpoint", step_dir, given_optimizer), None, "restore")
         self.step_count = steps[0]
         self.data_position = int(manifest.data_position or 0)
         self.last_checkpoint, self.last_checkpoint_step = step_dir, steps[0]
@@ -551,6 +554,11 @@ class Controller:
         in state_transfer.py). If the new workers cannot be placed or built, the trainer goes on
         with its old workers and the error says so."""
         ScalingConfig(num_workers=num_workers)  # validates
+        if self.scaling.placement_group is not None:  # [Note: given placement group] in worker_group.py
+            raise ValueError(f"resize({num_workers}): the workers are in bundles of a given placement group "
+                             "(ScalingConfig(placement_group=...), e.g. a Ray Tune trial's), which has no room for a "
+                             "second group beside them; save() and Trainer.restore(...) into a placement group of "
+                             f"{num_workers} worker bundles instead (in Tune: the trial's resources)")
         self.states.enter(TrainerState.RESIZING)
         try:
             old = self.group
@@ -602,6 +610,12 @@ def _wait_quietly(refs: List[Any], timeout_s: float) -> None:
                 ray.get(ref)
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _given_bundles_room(scaling: ScalingConfig) -> Tuple[float, float]:
+    """CPUs and GPUs of a given placement group's worker bundles: reserved for this trainer alone,
+    all free again once its group is torn down ([Note: given placement group] in worker_group.py)."""
+    return scaling.num_workers * scaling.cpus_per_worker, float(scaling.num_workers if scaling.use_gpu else 0)
 
 
 def _free_resources(scaling: ScalingPolicy, wait_s: float = 3.0) -> Tuple[float, float]:

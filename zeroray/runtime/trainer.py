@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ from zeroray.layout.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
 from zeroray.runtime.auto_stage import first_batch, resolve_stage
+from zeroray.runtime.callbacks import Callback
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.controller import Controller
 from zeroray.runtime.fit_eval import FitEvaluation
@@ -67,6 +68,7 @@ class Trainer:
         if not callable(loss_fn):
             raise ValueError("loss_fn must be a callable (model, batch) -> scalar loss tensor, "
                              f"got {type(loss_fn).__name__}")
+        self._optimizer_given = optimizer is not None  # restore: its learning rates win ([Note: an optimizer given to restore])
         optimizer = AdamW() if optimizer is None else optimizer
         validate_optimizer(optimizer)
         for name, value, cls in (("zero", zero, ZeroConfig), ("scaling", scaling, ScalingConfig),
@@ -94,7 +96,7 @@ class Trainer:
             self._start()  # stage="auto" waits for the first batch ([Note: stage from the first batch])
         if _restore_from is not None:
             try:
-                self.controller.load(_restore_from)
+                self.controller.load(_restore_from, given_optimizer=self._optimizer_given)
             except BaseException:
                 self.shutdown()  # nothing half-loaded stays behind
                 raise
@@ -184,7 +186,7 @@ class Trainer:
 
     @property
     def workers(self) -> List[Dict[str, Any]]:
-        """Per worker: rank, node id, ip, pid (where each actor runs)."""
+        """Per worker: rank, node id, ip, pid, placement group id (where each actor runs)."""
         return list(self.controller.group.nodes)
 
     def shutdown(self) -> None:
@@ -209,7 +211,8 @@ class Trainer:
 
     def fit(self, data: Any, num_steps: Optional[int] = None, *, batch_size: Optional[int] = None,
             skip: Optional[int] = None, progress: bool = True, eval_data: Any = None,
-            eval_every: Optional[int] = None, eval_metric_fn: Optional[Callable] = None) -> List[StepResult]:
+            eval_every: Optional[int] = None, eval_metric_fn: Optional[Callable] = None,
+            callbacks: Sequence[Callback] = ()) -> List[StepResult]:
         """Train on ``data``: an iterable of global batches, or a ``ray.data.Dataset`` (give batch_size).
 
         Runs ``num_steps`` steps (default: until the data ends). The first ``skip`` batches are
@@ -223,13 +226,20 @@ class Trainer:
         batches of ``batch_size``. Each evaluation goes to the progress bar or log lines, to the
         metrics file (a record with ``step``, ``eval_loss`` and ``eval_<metric>``) and to the
         ``evaluation`` of the StepResult of the step it followed.
+
+        ``callbacks``: ``zr.Callback`` objects whose ``on_step(result)`` fit calls on the driver for
+        every step, after its checkpoint and evaluation (see runtime/callbacks.py).
         """
+        callbacks = list(callbacks)
+        if any(not isinstance(cb, Callback) for cb in callbacks):
+            raise ValueError(f"callbacks must be zr.Callback objects, got {[type(cb).__name__ for cb in callbacks]}")
         if eval_metric_fn is not None:
             ship_by_value(eval_metric_fn)
         data = self._start_for(data, batch_size)
         return run_fit(self.controller, data, num_steps, batch_size=batch_size, skip=skip, progress=progress,
                        failure=self.failure, checkpoint=self.checkpoint_config, metrics_path=self.metrics_path,
-                       evaluation=FitEvaluation.of(eval_data, eval_every, eval_metric_fn, batch_size))
+                       evaluation=FitEvaluation.of(eval_data, eval_every, eval_metric_fn, batch_size),
+                       callbacks=callbacks)
 
     # --- evaluation and inference ([Note: inference calls] in zeroray/engine/inference.py) ----------
 
@@ -341,20 +351,27 @@ class Trainer:
         ``fallback=True``: load the newest checkpoint under ``path`` whose files all verify
         (sizes, sha256), skipping damaged ones (and, for a step directory, trying the older ones
         beside it); ``trainer.restored_from`` says which was loaded and ``trainer.skipped_checkpoints``
-        which were skipped and why (also logged as warnings). See runtime/restore.py."""
+        which were skipped and why (also logged as warnings). See runtime/restore.py.
+
+        ``optimizer=``: its learning rates replace the checkpoint's, and the log says what changed
+        ([Note: an optimizer given to restore] in runtime/restore.py)."""
         from zeroray.checkpoint import load_manifest
-        from zeroray.runtime.restore import check_has_candidates, load_newest_valid
+        from zeroray.runtime.restore import check_has_candidates, load_newest_valid, log_given_optimizer
 
         if not fallback:
             load_manifest(path)  # fail early, with the checkpoint's own error, before starting actors
-            return cls(model_fn, loss_fn, _restore_from=path, **kwargs)
-        check_has_candidates(path)
-        trainer = cls(model_fn, loss_fn, **kwargs)
-        try:
-            trainer.restored_from, trainer.skipped_checkpoints = load_newest_valid(trainer.controller, path)
-        except BaseException:
-            trainer.shutdown()  # nothing half-loaded stays behind
-            raise
+            trainer = cls(model_fn, loss_fn, _restore_from=path, **kwargs)
+        else:
+            check_has_candidates(path)
+            trainer = cls(model_fn, loss_fn, **kwargs)
+            try:
+                trainer.restored_from, trainer.skipped_checkpoints = load_newest_valid(
+                    trainer.controller, path, given_optimizer=trainer._optimizer_given)
+            except BaseException:
+                trainer.shutdown()  # nothing half-loaded stays behind
+                raise
+        if trainer._optimizer_given:
+            log_given_optimizer(load_manifest(trainer.restored_from), kwargs["optimizer"])
         return trainer
 
     def resize(self, num_workers: int) -> None:

@@ -91,7 +91,8 @@ class Worker:
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "pid": os.getpid(), "host": socket.gethostname(),
-                "gpu_ids": ray.get_gpu_ids() if self.use_gpu else []}
+                "gpu_ids": ray.get_gpu_ids() if self.use_gpu else [],
+                "placement_group_id": ctx.get_placement_group_id()}  # zeroray.tune checks it is the trial's
 
     @ray.method(concurrency_group="control")
     def free_port(self) -> int:
@@ -380,13 +381,16 @@ class Worker:
         return info, extra
 
     @engine_call
-    def load_checkpoint(self, path: str) -> int:
+    def load_checkpoint(self, path: str, given_optimizer: bool = False) -> int:
         """This rank's slices of the checkpoint, and the replicated buffers and frozen parameters
-        (its extra tensors, which ``save_shard`` writes from ``untrained_state``)."""
+        (its extra tensors, which ``save_shard`` writes from ``untrained_state``). ``given_optimizer``:
+        the optimizer's own learning rates stay ([Note: an optimizer given to restore] in restore.py)."""
         from zeroray.checkpoint import load_extra, load_resharded
 
         layout, rank = self.engine.state_layout()
         tensors, scalars = load_resharded(path, layout, rank)
+        if given_optimizer:
+            scalars = {k: v for k, v in scalars.items() if k != "group_lr"}
         self.engine.import_state(tensors, scalars)
         self.engine.import_untrained(load_extra(path))
         return self.engine.step_count
