@@ -489,3 +489,13 @@ def validate_optimizer(spec: Any) -> None:
             f"optimizer={spec!r} is invalid: pass zr.AdamW(...), zr.Adam(...), zr.SGD(...) or a callable "
             "params -> torch.optim.Optimizer")
 
+
+
+def optimizer_spec_class(name: str) -> Optional[type]:
+    """zeroray's optimizer spec class called ``name`` (``"AdamW"``), None for any other name: a
+    checkpoint records a spec by its class name and fields ([Note: optimizer record] in
+    zeroray/engine/optim_record.py), and restore rebuilds only these classes from it."""
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, _OptimizerSpec) and cls is not _OptimizerSpec:
+        return cls
+    return None

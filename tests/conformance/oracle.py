@@ -6,7 +6,10 @@ where the case has them). The global batch is cut as zeroray cuts
 it (workers, then micro-batches: part ``rank * accum + micro``) and the step's loss is the
 mean over the parts of ``loss_fn`` on each part: DDP's loss (each worker's mean over its own
 rows, averaged over workers), which is the global loss only for equal-size mean losses; with
-padding, a BatchNorm or data-dependent routing it is not, and the part's is what counts.
+padding, a BatchNorm or data-dependent routing it is not, and the part's is what counts. A
+global batch that does not divide over the parts (case ``uneven``) is cut as ``numpy.array_split``
+cuts, workers first, and the mean is weighted by the parts' rows, ``sum_p n_p / N * loss_p``
+([Note: uneven splits] in zeroray/engine/batch.py).
 Gradients are those of that mean; a parameter no part used keeps ``.grad = None`` and
 AdamW skips it (PyTorch's and DDP's rule). Clipping by the global norm of all gradients.
 
@@ -28,7 +31,7 @@ import torch
 
 from tests.conformance.case import Case
 from tests.conformance.configs import warmup
-from zeroray.engine.batch import split_batch
+from zeroray.engine.batch import batch_size, split_batch
 
 
 @dataclass
@@ -57,15 +60,23 @@ def reference_run(case: Case) -> Reference:
     out = Reference([], [], {}, [], [n for n, _ in model.named_parameters(remove_duplicate=False)])
     for batch in case.batches:
         opt.zero_grad(set_to_none=True)
-        parts = split_batch(batch, world * accum)
+        parts = [mb for share in split_batch(batch, world) for mb in split_batch(share, accum)]
+        rows = batch_size(batch)
+        even = rows % (world * accum) == 0
         total = 0.0
         buffers = [buffers[0]] * world  # rank 0's at the start of the step
         for rank in range(world):
             _load_buffers(model, buffers[rank])
             for micro in range(accum):
-                loss = loss_fn(model, parts[rank * accum + micro])
-                (loss / (world * accum)).backward()
-                total += loss.item()
+                part = parts[rank * accum + micro]
+                loss = loss_fn(model, part)
+                if even:
+                    (loss / (world * accum)).backward()
+                    total += loss.item()
+                else:  # weighted by its rows; total stays "times world * accum"
+                    share = batch_size(part) / rows
+                    (loss * share).backward()
+                    total += loss.item() * share * world * accum
             buffers[rank] = _buffers(model)
         _load_buffers(model, buffers[0])
         out.unused.append([n for n, p in named if p.grad is None])

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from zeroray.comm.group import make_torch_group
 from zeroray.comm.port import free_port
 from zeroray.comm.user_group import join_default_group, leave_default_group
-from zeroray.engine.batch import split_batch
+from zeroray.engine.batch import batch_size, split_batch
 from zeroray.engine.engine import Engine
 from zeroray.memory.report import live_tensor_bytes, measure
 
@@ -31,6 +31,9 @@ def _worker(rank, world, ports, specs_blob, out_dir):
 
 
 def _run_one(rank, world, port, spec, out_file, kept):
+    if spec.get("runner"):  # a plain-torch reference, in the same processes (start-up is the cost)
+        torch.save(spec["runner"](rank, world, port, spec), out_file)
+        return
     group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=120)
     join_default_group(group, "gloo", 120)  # as the worker's setup does: torch.distributed for user code
     if spec.get("host_staged"):  # several ranks on one GPU: collectives staged through the host
@@ -47,13 +50,16 @@ def _run_one(rank, world, port, spec, out_file, kept):
                     scheduler=spec.get("scheduler"), device=spec.get("device", "cpu"))
     if spec.get("setup"):  # e.g. load a checkpoint before training
         spec["setup"](engine)
-    losses, norms, skipped, reports = [], [], [], []
+    losses, norms, skipped, scales, trace, reports = [], [], [], [], [], []
     for batch in spec["batches"]:
-        shard = split_batch(batch, world)[rank]
-        stats = engine.train_step(shard)
+        shard = split_batch(batch, world)[rank]  # uneven where the rows do not divide, as the driver splits
+        stats = engine.train_step(shard, global_rows=batch_size(batch))
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
         skipped.append(stats.skipped)
+        scales.append(stats.loss_scale)
+        if spec.get("trace_params"):  # opt-in: this rank's master pieces after every step
+            trace.append({name: engine.master_piece(name) for name in engine.layout.param_names})
         report = group.counter.as_dict()
         if engine.fetch_stats():
             report["fetch"] = engine.fetch_stats()
@@ -67,7 +73,8 @@ def _run_one(rank, world, port, spec, out_file, kept):
     if live_before is not None:
         memory["live_tensor_bytes"] = live_tensor_bytes() - live_before
     pieces = {name: engine.master_piece(name) for name in engine.layout.param_names}
-    torch.save({"losses": losses, "norms": norms, "skipped": skipped, "pieces": pieces,
+    torch.save({"losses": losses, "norms": norms, "skipped": skipped, "scales": scales, "trace": trace,
+                "pieces": pieces,
                 "reports": reports, "memory": memory, "untrained": engine.untrained_state(),
                 "buffer_dtypes": {n: b.dtype for n, b in engine.model.named_buffers()},
                 "frozen_dtypes": {n: p.dtype for n, p in engine.model.named_parameters() if not p.requires_grad},
@@ -142,7 +149,9 @@ def run_engine(world, **spec):
 def run_engines(world, specs):
     """Several runs in one set of processes (process start-up dominates these tests' time).
     A spec with ``"world": w`` (w <= world) runs on ranks 0..w-1 only, so one process set can
-    serve several world sizes."""
+    serve several world sizes. A spec with ``"runner"`` is no engine run: each rank saves what
+    ``runner(rank, world, port, spec)`` returns (a reference in plain torch), and its
+    consolidated parameters are None."""
     with tempfile.TemporaryDirectory() as out_dir:
         ports = [free_port() for _ in specs]
         spawn_ranks(_worker, world, (world, ports, cloudpickle.dumps(specs)), out_dir, join_s=300)
@@ -150,7 +159,7 @@ def run_engines(world, specs):
         for index in range(len(specs)):
             results = [torch.load(os.path.join(out_dir, f"spec{index}_rank{r}.pt"), weights_only=False)
                        for r in range(specs[index].get("world", world))]
-            out.append((results, consolidate(results)))
+            out.append((results, None if specs[index].get("runner") else consolidate(results)))
         return out
 
 
@@ -163,13 +172,16 @@ def run_engine_table(runs):
     return dict(zip(keys, run_engines(max(runs[k][0] for k in keys), specs)))
 
 
-def consolidate(results):
+def consolidate(results, pieces=None):
+    """The fp32 parameters (flat, by state_dict name) from every rank's ``pieces`` (default: its
+    pieces after the last step), and rank 0's buffers and frozen parameters."""
+    pieces = pieces or [r["pieces"] for r in results]
     params = {}
-    for name in results[0]["pieces"]:
-        numel = max(r["pieces"][name][1] for r in results)
+    for name in pieces[0]:
+        numel = max(p[name][1] for p in pieces)
         flat = torch.zeros(numel)
-        for r in results:
-            lo, hi, t = r["pieces"][name]
+        for p in pieces:
+            lo, hi, t = p[name]
             flat[lo:hi] = t
         params[name] = flat
     for canonical, aliases in results[0]["aliases"].items():
@@ -177,3 +189,8 @@ def consolidate(results):
             params[a] = params[canonical]
     params.update(results[0]["untrained"])
     return params
+
+
+def consolidate_trace(results):
+    """With ``trace_params``: the consolidated parameters after each step."""
+    return [consolidate(results, [r["trace"][step] for r in results]) for step in range(len(results[0]["trace"]))]

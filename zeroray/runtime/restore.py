@@ -41,10 +41,19 @@ def check_has_candidates(path: Any) -> None:
                                  if interrupted else "") + "; give a checkpoint root or a step_<N> directory")
 
 
-def load_newest_valid(controller: Controller, path: Any, given_optimizer: bool = False
-                      ) -> Tuple[Any, List[SkippedCheckpoint]]:
-    """Load the newest candidate under ``path`` that verifies; (its directory, the ones skipped).
-    ``given_optimizer``: see [Note: an optimizer given to restore]."""
+def newest_manifest(path: Any) -> Optional[Manifest]:
+    """The manifest of the newest candidate under ``path`` that reads (what a fallback restore
+    builds its optimizer from: runtime/optimizer_restore.py), or None."""
+    for step_dir in restore_candidates(path)[0]:
+        try:
+            return load_manifest(step_dir)
+        except CheckpointError:
+            continue
+    return None
+
+
+def load_newest_valid(controller: Controller, path: Any) -> Tuple[Any, List[SkippedCheckpoint]]:
+    """Load the newest candidate under ``path`` that verifies; (its directory, the ones skipped)."""
     candidates, skipped = restore_candidates(path)
     for step_dir in candidates:
         try:

@@ -36,6 +36,7 @@ from zeroray.runtime.controller import Controller
 from zeroray.runtime.fit_eval import FitEvaluation
 from zeroray.runtime.fit_loop import run_fit
 from zeroray.runtime.messages import WorkerSpec
+from zeroray.runtime.optimizer_restore import PARTS, RestoreChoice, choose
 from zeroray.runtime.step import StepResult
 from zeroray.runtime.trainer_state import SHUT_DOWN, TrainerState
 from zeroray.runtime.worker_group import ensure_ray
@@ -61,7 +62,7 @@ class Trainer:
                  checkpoint: Optional[CheckpointConfig] = None, seed: int = 0,
                  param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]] = None,
                  scheduler: Optional[Callable[[Any], Any]] = None, metrics_path: Optional[str] = None,
-                 _restore_from: Optional[Any] = None) -> None:
+                 _restore_from: Optional[Any] = None, _restore_choice: Optional[RestoreChoice] = None) -> None:
         if not callable(model_fn):
             raise ValueError("model_fn must be a callable () -> torch.nn.Module (a function or class), "
                              f"got {type(model_fn).__name__}")
@@ -90,6 +91,7 @@ class Trainer:
         self._finalizer: Optional[weakref.finalize] = None
         self._closed = False
         self._position = 0  # data_position set before the workers started
+        self._restore_choice = _restore_choice  # Trainer.restore: what the checkpoint's load takes
         self.restored_from: Optional[Any] = None  # the checkpoint directory Trainer.restore loaded
         self.skipped_checkpoints: List[Any] = []  # restore(fallback=True): SkippedCheckpoint(path, reason)s
         if self.zero.stage != "auto" or _restore_from is not None:
@@ -113,6 +115,8 @@ class Trainer:
             self.zero = resolve_stage(self.zero, self._spec["model_fn"], self._scaling, self._spec["optimizer"], batch)
             spec = WorkerSpec(zero=self.zero, **self._spec)
             self._controller = Controller(spec, self._scaling, self.zero, spares=self.failure.spares)
+            if self._restore_choice is not None:
+                self._controller.restore_choice = self._restore_choice
             # Garbage collection of the Trainer releases its actors and placement group.
             self._finalizer = weakref.finalize(self, self._controller.slot.release)
             atexit.register(self._finalizer)  # before ray.shutdown at exit: [Note: releasing at exit]
@@ -206,7 +210,8 @@ class Trainer:
     # --- training --------------------------------------------------------------------------
 
     def step(self, batch: Any) -> StepResult:
-        """One optimizer step on a global batch (split evenly over the workers)."""
+        """One optimizer step on a global batch, split over the workers (unevenly where the rows do
+        not divide, each worker's loss weighted by its rows: [Note: uneven splits] in engine/batch.py)."""
         return self._start(batch).step(batch)
 
     def fit(self, data: Any, num_steps: Optional[int] = None, *, batch_size: Optional[int] = None,
@@ -247,12 +252,12 @@ class Trainer:
                  ) -> Dict[str, float]:
         """The model's loss (and metrics) on ``data``, without training: ``{"loss": ..., **metrics}``.
 
-        ``data``: an iterable of global batches (each split evenly over the workers, as in
-        ``step``), or a ``ray.data.Dataset`` read in global batches of ``batch_size`` rows (the
-        last partial one dropped). Every worker runs ``loss_fn(model, its rows)``, and
+        ``data``: an iterable of global batches (each split over the workers as in ``step``), or a
+        ``ray.data.Dataset`` read in global batches of ``batch_size`` rows (the last partial one
+        dropped). Every worker runs ``loss_fn(model, its rows)``, and
         ``metric_fn(model, its rows)`` (a dict of floats or 0-dim tensors) if given, with the model
         in ``eval()`` mode under ``torch.no_grad()``. Per batch, each value is the mean over the
-        workers (the training loss's semantics, as DDP's), then the mean over the batches.
+        workers weighted by their rows (the training loss's semantics), then the mean over the batches.
         Touches no optimizer state, step count or gradient, and leaves stage 3's prefetch trace
         as it was.
         """
@@ -344,9 +349,14 @@ class Trainer:
 
     @classmethod
     def restore(cls, path: Any, model_fn: Callable, loss_fn: Callable, *, fallback: bool = False,
-                **kwargs: Any) -> "Trainer":
+                fresh_optimizer: bool = False, **kwargs: Any) -> "Trainer":
         """A Trainer that continues from the checkpoint at ``path`` (a root or a step directory),
-        at any number of workers and any stage.
+        at any number of workers and any stage, with the checkpoint's optimizer: its class,
+        hyperparameters, param groups and LR scheduler state, as PyTorch's ``load_state_dict``
+        restores them. ``optimizer=``, ``param_groups=`` or ``scheduler=`` replace the
+        checkpoint's (the log says which hyperparameters change); the optimizer state still loads
+        when it fits, and ``fresh_optimizer=True`` starts the optimizer and its scheduler over.
+        See [Note: restoring the optimizer] in runtime/optimizer_restore.py.
 
         ``fallback=True``: load the newest checkpoint under ``path`` whose files all verify
         (sizes, sha256), skipping damaged ones (and, for a step directory, trying the older ones
@@ -356,22 +366,23 @@ class Trainer:
         ``optimizer=``: its learning rates replace the checkpoint's, and the log says what changed
         ([Note: an optimizer given to restore] in runtime/restore.py)."""
         from zeroray.checkpoint import load_manifest
-        from zeroray.runtime.restore import check_has_candidates, load_newest_valid, log_given_optimizer
+        from zeroray.runtime.restore import check_has_candidates, load_newest_valid, newest_manifest
 
-        if not fallback:
-            load_manifest(path)  # fail early, with the checkpoint's own error, before starting actors
-            trainer = cls(model_fn, loss_fn, _restore_from=path, **kwargs)
-        else:
+        if fallback:
             check_has_candidates(path)
-            trainer = cls(model_fn, loss_fn, **kwargs)
-            try:
-                trainer.restored_from, trainer.skipped_checkpoints = load_newest_valid(
-                    trainer.controller, path, given_optimizer=trainer._optimizer_given)
-            except BaseException:
-                trainer.shutdown()  # nothing half-loaded stays behind
-                raise
-        if trainer._optimizer_given:
-            log_given_optimizer(load_manifest(trainer.restored_from), kwargs["optimizer"])
+        # fail early, with the checkpoint's own error, before starting actors
+        manifest = newest_manifest(path) if fallback else load_manifest(path)
+        choice = choose(manifest.optimizer if manifest is not None else None, manifest.source if manifest else path,
+                        {k: kwargs.pop(k, None) for k in PARTS}, fresh_optimizer)
+        kwargs.update(optimizer=choice.optimizer, param_groups=choice.param_groups, scheduler=choice.scheduler)
+        if not fallback:
+            return cls(model_fn, loss_fn, _restore_from=path, _restore_choice=choice, **kwargs)
+        trainer = cls(model_fn, loss_fn, _restore_choice=choice, **kwargs)
+        try:
+            trainer.restored_from, trainer.skipped_checkpoints = load_newest_valid(trainer.controller, path)
+        except BaseException:
+            trainer.shutdown()  # nothing half-loaded stays behind
+            raise
         return trainer
 
     def resize(self, num_workers: int) -> None:

@@ -208,13 +208,15 @@ class Worker:
     # --- training --------------------------------------------------------------------------
 
     @engine_call(waits_for_copy=False)
-    def train_step(self, batch: Any) -> StepOutput:
-        """One step on this rank's share of the global batch (a PackedBatch, see batch_transport.py)."""
-        return self._step(unpack(batch))
+    def train_step(self, batch: Any, global_rows: Optional[int] = None) -> StepOutput:
+        """One step on this rank's share of the global batch (a PackedBatch, see batch_transport.py)
+        of ``global_rows`` rows ([Note: uneven splits] in engine/batch.py)."""
+        return self._step(unpack(batch), global_rows)
 
-    def _step(self, batch: Any) -> StepOutput:
+    def _step(self, batch: Any, global_rows: Optional[int] = None) -> StepOutput:
         t_engine = time.time()
-        stats = self.memory.step(self.engine.train_step, batch, before_update=self._wait_copy)
+        stats = self.memory.step(self.engine.train_step, batch, before_update=self._wait_copy,
+                                 global_rows=global_rows)
         t_engine_end = time.time()
         return StepOutput(loss=stats.loss, grad_norm=stats.grad_norm, step=stats.step, skipped=stats.skipped,
                           loss_scale=stats.loss_scale, time_s=stats.time_s,
@@ -378,19 +380,26 @@ class Worker:
         tensors, scalars = self.engine.export_state(live=True)
         info = write_shard(root, step, self.rank, tensors, scalars)
         extra = write_extra(root, step, self.engine.untrained_state()) if self.rank == 0 else None
-        return info, extra
+        return info, extra, self.engine.optimizer_record()
 
     @engine_call
-    def load_checkpoint(self, path: str, given_optimizer: bool = False) -> int:
+    def optimizer_record(self) -> Dict[str, Any]:
+        """This rank's part of the optimizer record, as built ([Note: optimizer record] in engine/optim_record.py)."""
+        return self.engine.optimizer_record()
+
+    @engine_call
+    def load_checkpoint(self, path: str, optimizer_plan: Optional[Dict[str, Any]] = None) -> int:
         """This rank's slices of the checkpoint, and the replicated buffers and frozen parameters
-        (its extra tensors, which ``save_shard`` writes from ``untrained_state``). ``given_optimizer``:
-        the optimizer's own learning rates stay ([Note: an optimizer given to restore] in restore.py)."""
+        (its extra tensors, which ``save_shard`` writes from ``untrained_state``); the optimizer's
+        hyperparameters and scheduler state as ``optimizer_plan`` says ([Note: restoring the
+        optimizer] in runtime/optimizer_restore.py)."""
         from zeroray.checkpoint import load_extra, load_resharded
+        from zeroray.engine.optim_record import with_plan
 
         layout, rank = self.engine.state_layout()
         tensors, scalars = load_resharded(path, layout, rank)
-        if given_optimizer:
-            scalars = {k: v for k, v in scalars.items() if k != "group_lr"}
+        if optimizer_plan is not None:
+            tensors, scalars = with_plan(tensors, scalars, optimizer_plan)
         self.engine.import_state(tensors, scalars)
         self.engine.import_untrained(load_extra(path))
         return self.engine.step_count
