@@ -539,10 +539,8 @@ class Controller:
                 f"The trainer still holds step {self.step_count} (data_position {self.data_position}): fix the "
                 "storage (free space, permissions) and call trainer.save(), or fit(...) again to go on")
 
-    def load(self, path: Any, given_optimizer: bool = False) -> None:
-        """Every worker reads its slices of the checkpoint at ``path`` (a root or a step directory).
-        ``given_optimizer``: the workers keep their optimizer's learning rates instead of the
-        checkpoint's ([Note: an optimizer given to restore] in restore.py)."""
+    def load(self, path: Any) -> None:
+        """Every worker reads its slices of the checkpoint at ``path`` (a root or a step directory)."""
         from zeroray.checkpoint import checkpoint_dir, load_manifest
 
         step_dir = checkpoint_dir(path)  # every worker reads the same step, even if a save lands now

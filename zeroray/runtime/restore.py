@@ -7,22 +7,9 @@ so the whole checkpoint is read once); the first that passes is loaded. Verifyin
 loading matters: a load is collective at stages 1-2 (the workers publish what they read), so
 a load that failed on one worker only would leave the others waiting in a gather, while a
 verification fails on its own and leaves the group usable for the next candidate.
-
-[Note: an optimizer given to restore]
-An optimizer given to ``Trainer.restore(..., optimizer=...)`` replaces the checkpoint's
-hyperparameters: its learning rates too, which a checkpoint records per param group
-(``group_lr``, so that a run restored without one goes on at the rate its scheduler had
-reached). Without this, a checkpoint's rate silently won over the one asked for, and a
-population-based sweep's exploit (zeroray.tune: a trial continues from another trial's
-checkpoint with a mutated ``lr``) trained at the old rate. The workers then leave
-``group_lr`` out of what they import (``Worker.load_checkpoint``), and ``log_given_optimizer``
-says on the driver what changed. The optimizer state (Adam's moments and step) is the
-checkpoint's either way; a scheduler's step count too (its next step sets the rate from the
-given optimizer's).
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, List, Optional, Tuple
 
@@ -62,7 +49,7 @@ def load_newest_valid(controller: Controller, path: Any) -> Tuple[Any, List[Skip
         except CheckpointError as error:
             skipped.append(SkippedCheckpoint(str(step_dir), str(error).splitlines()[0]))
             continue
-        controller.load(step_dir, given_optimizer=given_optimizer)
+        controller.load(step_dir)
         for s in skipped:
             log.warning("zeroray: restore skipped %s: %s", s.path, s.reason)
         if skipped:
@@ -70,24 +57,3 @@ def load_newest_valid(controller: Controller, path: Any) -> Tuple[Any, List[Skip
         return step_dir, skipped
     reasons = "\n".join(f"  {s.path}: {s.reason}" for s in skipped)
     raise CheckpointError(f"{path}: no checkpoint there verifies, so there is nothing to restore:\n{reasons}")
-
-
-def log_given_optimizer(manifest: Manifest, optimizer: Any) -> Optional[str]:
-    """Log (and return) what the optimizer given to restore changed of the checkpoint's learning
-    rates, per param group; None when nothing changed. See [Note: an optimizer given to restore]."""
-    saved = (manifest.scalars[0] if manifest.scalars else {}).get("group_lr") or {}
-    base = getattr(optimizer, "lr", None)  # zr.AdamW/Adam/SGD; a callable spec's is not known here
-    changes = []
-    for key, old in saved.items():
-        group = json.loads(key) if key.startswith("{") else {}
-        new = group.get("lr", base)
-        if new != old:
-            where = "" if not group else f" (param group {key})"
-            changes.append(f"lr {old:g} -> {new:g}{where}" if new is not None else
-                           f"lr {old:g} -> the given optimizer's{where}")
-    if not changes:
-        return None
-    note = (f"zeroray: restore from {manifest.source}: the optimizer given to restore replaces the checkpoint's "
-            f"learning rate(s): {'; '.join(changes)}")
-    log.warning(note)
-    return note

@@ -69,7 +69,6 @@ class Trainer:
         if not callable(loss_fn):
             raise ValueError("loss_fn must be a callable (model, batch) -> scalar loss tensor, "
                              f"got {type(loss_fn).__name__}")
-        self._optimizer_given = optimizer is not None  # restore: its learning rates win ([Note: an optimizer given to restore])
         optimizer = AdamW() if optimizer is None else optimizer
         validate_optimizer(optimizer)
         for name, value, cls in (("zero", zero, ZeroConfig), ("scaling", scaling, ScalingConfig),
@@ -98,7 +97,7 @@ class Trainer:
             self._start()  # stage="auto" waits for the first batch ([Note: stage from the first batch])
         if _restore_from is not None:
             try:
-                self.controller.load(_restore_from, given_optimizer=self._optimizer_given)
+                self.controller.load(_restore_from)
             except BaseException:
                 self.shutdown()  # nothing half-loaded stays behind
                 raise
@@ -361,10 +360,7 @@ class Trainer:
         ``fallback=True``: load the newest checkpoint under ``path`` whose files all verify
         (sizes, sha256), skipping damaged ones (and, for a step directory, trying the older ones
         beside it); ``trainer.restored_from`` says which was loaded and ``trainer.skipped_checkpoints``
-        which were skipped and why (also logged as warnings). See runtime/restore.py.
-
-        ``optimizer=``: its learning rates replace the checkpoint's, and the log says what changed
-        ([Note: an optimizer given to restore] in runtime/restore.py)."""
+        which were skipped and why (also logged as warnings). See runtime/restore.py."""
         from zeroray.checkpoint import load_manifest
         from zeroray.runtime.restore import check_has_candidates, load_newest_valid, newest_manifest
 

@@ -4,8 +4,9 @@ train it with reports to Tune.
 ``trial.trainer(...)`` builds a ``zr.Trainer`` in the trial's placement group ([Note: trial
 placement] in trainable.py), or, when Tune hands the trial a checkpoint (a paused or failed trial
 resuming, a PBT exploit), restores it with ``zr.Trainer.restore`` at the trial's worker count;
-an optimizer given there replaces the checkpoint's learning rates (PBT's mutated ``lr`` takes
-effect: [Note: an optimizer given to restore] in runtime/restore.py). ``trial.fit(...)`` trains
+an optimizer given there replaces the checkpoint's hyperparameters where it changes them, while
+the optimizer state still loads (PBT's mutated ``lr`` takes effect: [Note: restoring the
+optimizer] in runtime/optimizer_restore.py). ``trial.fit(...)`` trains
 to ``total_steps`` with a ``TuneReport`` callback (report.py). ``close`` (called by the trainable
 when the function returns, raises, or is stopped by Tune) shuts every Trainer it made down and
 removes the staging directory.
