@@ -68,7 +68,7 @@ def test_workers_take_the_given_bundles_and_train_as_usual(pg):
 
 
 def test_what_cannot_go_in_given_bundles_is_refused(pg):
-    with pytest.raises(ValueError, match=r"spares.*placement group of its own.*spares=0"):
+    with pytest.raises(ValueError, match=r"spares=.*placement groups of zeroray.s own.*use spares=0"):
         _trainer(pg, failure=zr.FailureConfig(snapshot_every=1, spares=1))
     with pytest.raises(ValueError, match=r"bundle 1 of the given placement group is \{'CPU': 1.0\}.*needs \{'CPU': 2"):
         zr.Trainer(parity_model, lm_loss, scaling=zr.ScalingConfig(num_workers=2, cpus_per_worker=2, placement_group=pg,
