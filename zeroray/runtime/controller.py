@@ -414,7 +414,8 @@ class Controller:
         t0 = time.monotonic()
         self.slot.release()
         self.in_flight = 0
-        decision = scaling.on_restart(*_free_resources(scaling))
+        decision = scaling.on_restart(*(_free_resources(scaling) if self.scaling.placement_group is None
+                                        else _given_bundles_room(self.scaling)))
         if decision.action is Action.RESIZE:
             note(f"zeroray: {decision.reason}")
         t1 = time.monotonic()
@@ -585,6 +586,11 @@ class Controller:
         in state_transfer.py). If the new workers cannot be placed or built, the trainer goes on
         with its old workers and the error says so."""
         ScalingConfig(num_workers=num_workers)  # validates
+        if self.scaling.placement_group is not None:  # [Note: given placement group] in worker_group.py
+            raise ValueError(f"resize({num_workers}): the workers are in bundles of a given placement group "
+                             "(ScalingConfig(placement_group=...), e.g. a Ray Tune trial's), which has no room for a "
+                             "second group beside them; save() and Trainer.restore(...) into a placement group of "
+                             f"{num_workers} worker bundles instead (in Tune: the trial's resources)")
         self.states.enter(TrainerState.RESIZING)
         try:
             old = self.group
@@ -636,6 +642,12 @@ def _wait_quietly(refs: List[Any], timeout_s: float) -> None:
                 ray.get(ref)
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _given_bundles_room(scaling: ScalingConfig) -> Tuple[float, float]:
+    """CPUs and GPUs of a given placement group's worker bundles: reserved for this trainer alone,
+    all free again once its group is torn down ([Note: given placement group] in worker_group.py)."""
+    return scaling.num_workers * scaling.cpus_per_worker, float(scaling.num_workers if scaling.use_gpu else 0)
 
 
 def _free_resources(scaling: ScalingPolicy, wait_s: float = 3.0) -> Tuple[float, float]:

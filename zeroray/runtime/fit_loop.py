@@ -10,7 +10,8 @@ meaning of fit does not change:
   error alone.
 - A checkpoint waits for its step: when step N is one that saves (``every_steps``), N+1 is not
   sent until N's result is in and the save is done, so no queued step runs before the save.
-  An evaluation (``eval_every``, fit_eval.py) waits for its step the same way.
+  An evaluation (``eval_every``, fit_eval.py) waits for its step the same way, and so does a
+  callback's ``pauses_after`` step (callbacks.py).
 - Results and progress come in step order, one per step, as each step is collected.
 - When fit leaves early (the data iterator raised, Ctrl-C), the step still in flight is
   collected first, so ``step_count`` and ``data_position`` count exactly the steps the
@@ -32,11 +33,12 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, Deque, List, Optional, Union
+from typing import Any, Deque, List, Optional, Sequence, Union
 
 import torch
 
 from zeroray.config import CheckpointConfig, FailureConfig
+from zeroray.runtime.callbacks import Callback
 from zeroray.runtime.controller import Controller
 from zeroray.runtime.data import RayDataFeed, is_ray_dataset
 from zeroray.runtime.fit_eval import FitEvaluation
@@ -80,7 +82,8 @@ def _feed(controller: Controller, data: Any, batch_size: Optional[int]) -> Union
 
 def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batch_size: Optional[int],
             skip: Optional[int], progress: bool, failure: FailureConfig, checkpoint: CheckpointConfig,
-            metrics_path: Optional[str], evaluation: Optional[FitEvaluation] = None) -> List[StepResult]:
+            metrics_path: Optional[str], evaluation: Optional[FitEvaluation] = None,
+            callbacks: Sequence[Callback] = ()) -> List[StepResult]:
     """Trainer.fit: see its docstring, [Note: pipelined steps] and [Note: data replay]."""
     if num_steps is not None and (not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0):
         raise ValueError(f"num_steps={num_steps!r} must be an int >= 0, or None to run until the data ends")
@@ -106,7 +109,7 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
                     if resave:  # the save a failure interrupted: recovery resumed at its step
                         resave = False
                         controller.save(checkpoint.path, checkpoint.keep)
-                    _run(controller, feed, end, checkpoint, results, bar, evaluation)
+                    _run(controller, feed, end, checkpoint, results, bar, evaluation, callbacks)
                     if evaluation is not None:
                         evaluation.finish(controller, results, bar)
                     break
@@ -130,7 +133,8 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
 
 
 def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optional[int], ckpt: CheckpointConfig,
-         results: List[StepResult], bar: Optional[Progress], evaluation: Optional[FitEvaluation]) -> None:
+         results: List[StepResult], bar: Optional[Progress], evaluation: Optional[FitEvaluation],
+         callbacks: Sequence[Callback] = ()) -> None:
     """Steps from ``feed`` until it ends or ``end`` is reached, PIPELINE_DEPTH in flight."""
     in_flight: Deque[PendingStep] = deque()
     ended = False
@@ -139,9 +143,10 @@ def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optio
             while not ended and len(in_flight) < PIPELINE_DEPTH:
                 if end is not None and controller.data_position + len(in_flight) >= end:
                     break
-                if in_flight and (_saves_after(in_flight[-1].number, ckpt) or
-                                  (evaluation is not None and evaluation.due(in_flight[-1].number))):
-                    break  # a checkpoint or evaluation waits for its step: nothing may run before it
+                last = in_flight[-1].number if in_flight else None
+                if last is not None and (_saves_after(last, ckpt) or (evaluation is not None and evaluation.due(last))
+                                         or any(cb.pauses_after(last) for cb in callbacks)):
+                    break  # a checkpoint, evaluation or callback waits for its step: nothing may run before it
                 pending = feed.submit(controller, after_ok=bool(in_flight))
                 if pending is None:
                     ended = True
@@ -169,6 +174,8 @@ def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optio
                 controller.save(ckpt.path, ckpt.keep)
             if evaluation is not None and evaluation.due(result.step):
                 evaluation.run(controller, results, bar)
+            for callback in callbacks:  # runtime/callbacks.py
+                callback.on_step(result)
     except BaseException:
         # The driver's side failed (the data iterator, a save, Ctrl-C): the steps already sent
         # count, so step_count and data_position say what the workers applied.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ from zeroray.layout.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
 from zeroray.runtime.auto_stage import first_batch, resolve_stage
+from zeroray.runtime.callbacks import Callback
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.controller import Controller
 from zeroray.runtime.fit_eval import FitEvaluation
@@ -188,7 +189,7 @@ class Trainer:
 
     @property
     def workers(self) -> List[Dict[str, Any]]:
-        """Per worker: rank, node id, ip, pid (where each actor runs)."""
+        """Per worker: rank, node id, ip, pid, placement group id (where each actor runs)."""
         return list(self.controller.group.nodes)
 
     def shutdown(self) -> None:
@@ -214,7 +215,8 @@ class Trainer:
 
     def fit(self, data: Any, num_steps: Optional[int] = None, *, batch_size: Optional[int] = None,
             skip: Optional[int] = None, progress: bool = True, eval_data: Any = None,
-            eval_every: Optional[int] = None, eval_metric_fn: Optional[Callable] = None) -> List[StepResult]:
+            eval_every: Optional[int] = None, eval_metric_fn: Optional[Callable] = None,
+            callbacks: Sequence[Callback] = ()) -> List[StepResult]:
         """Train on ``data``: an iterable of global batches, or a ``ray.data.Dataset`` (give batch_size).
 
         Runs ``num_steps`` steps (default: until the data ends). The first ``skip`` batches are
@@ -228,13 +230,20 @@ class Trainer:
         batches of ``batch_size``. Each evaluation goes to the progress bar or log lines, to the
         metrics file (a record with ``step``, ``eval_loss`` and ``eval_<metric>``) and to the
         ``evaluation`` of the StepResult of the step it followed.
+
+        ``callbacks``: ``zr.Callback`` objects whose ``on_step(result)`` fit calls on the driver for
+        every step, after its checkpoint and evaluation (see runtime/callbacks.py).
         """
+        callbacks = list(callbacks)
+        if any(not isinstance(cb, Callback) for cb in callbacks):
+            raise ValueError(f"callbacks must be zr.Callback objects, got {[type(cb).__name__ for cb in callbacks]}")
         if eval_metric_fn is not None:
             ship_by_value(eval_metric_fn)
         data = self._start_for(data, batch_size)
         return run_fit(self.controller, data, num_steps, batch_size=batch_size, skip=skip, progress=progress,
                        failure=self.failure, checkpoint=self.checkpoint_config, metrics_path=self.metrics_path,
-                       evaluation=FitEvaluation.of(eval_data, eval_every, eval_metric_fn, batch_size))
+                       evaluation=FitEvaluation.of(eval_data, eval_every, eval_metric_fn, batch_size),
+                       callbacks=callbacks)
 
     # --- evaluation and inference ([Note: inference calls] in zeroray/engine/inference.py) ----------
 
