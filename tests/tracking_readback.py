@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import struct
+import time
 import zlib
 from typing import Dict, List
 
@@ -68,6 +69,8 @@ def _records(path):
             pos += block - pos % block
             continue
         checksum, length, kind = struct.unpack("<IHB", data[pos:pos + header])
+        if pos + header + length > len(data):  # the writer is still on it
+            return
         body = data[pos + header:pos + header + length]
         pos += header + length
         if kind == 0 and length == 0:
@@ -79,14 +82,25 @@ def _records(path):
             pending = b""
 
 
-def wandb_history(run_file) -> Series:
-    """The history rows of an offline W&B run: ``{name: {step: value}}``."""
+def _parsed(run_file):
     from wandb.proto import wandb_internal_pb2
 
-    out: Series = {}
     for raw in _records(run_file):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
+        yield record
+
+
+def wandb_history(run_file, timeout_s=120.0) -> Series:
+    """The history rows of a finished offline W&B run: ``{name: {step: value}}``. W&B's own process
+    (wandb-core) writes the log, and may still be writing it when ``run.finish()`` has returned:
+    the rows are read once the run's ``exit`` record is there."""
+    deadline = time.monotonic() + timeout_s
+    while not any(r.WhichOneof("record_type") == "exit" for r in _parsed(run_file)):
+        assert time.monotonic() < deadline, f"{run_file} has no exit record after {timeout_s} s"
+        time.sleep(0.2)
+    out: Series = {}
+    for record in _parsed(run_file):
         if record.WhichOneof("record_type") != "history":
             continue
         step = record.history.step.num

@@ -7,8 +7,8 @@ logs as it goes, as ``wandb.init`` does.
 
 W&B's x axis only goes forward: a value logged at a step below one already logged is dropped
 (with a warning of W&B's). After a recovery fit replays the steps since its checkpoint, so this
-tracker logs nothing below the highest step it logged and the run keeps each step's first values
-(the replayed steps redo the same batches from the same state).
+tracker logs no value at a step at or below the one it last logged that value at, and the run keeps
+each step's first values (the replayed steps redo the same batches from the same state).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class WandbCallback(Tracker):
         self.dir = os.fspath(dir)
         self.init_kwargs = dict(project=project, mode=mode, name=name, config=dict(config or {}), **init_kwargs)
         self.run: Optional[Any] = None
-        self._last_step = -1
+        self._last_step = -1                 # the highest step logged
+        self._logged: Dict[str, int] = {}    # per name, the step of its last value
 
     def _open(self) -> Any:
         if self.run is None:
@@ -40,10 +41,14 @@ class WandbCallback(Tracker):
 
     def log_scalars(self, step: int, values: Dict[str, float]) -> None:
         run = self._open()
-        if step < self._last_step:  # a replayed step after a recovery: see the module's docstring
+        # a replayed step after a recovery (see the module's docstring): W&B would drop it below its
+        # current step, and let it overwrite the first values at its current step
+        fresh = {name: value for name, value in values.items() if step > self._logged.get(name, -1)}
+        if step < self._last_step or not fresh:
             return
         self._last_step = step
-        run.log(values, step=step)
+        self._logged.update((name, step) for name in fresh)
+        run.log(fresh, step=step)
 
     def close(self) -> None:
         if self.run is not None:
