@@ -21,17 +21,22 @@ Series = Dict[str, Dict[int, float]]
 
 def tensorboard_scalars(log_dir) -> Series:
     """The scalars of every event file under ``log_dir``, as TensorBoard's EventAccumulator reads them
-    (the tracker writes float64 tensors; EventAccumulator drops the points a replay orphaned)."""
+    (float32, as TensorBoard stores scalars; EventAccumulator drops the points a replay orphaned)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.util import tensor_util
 
-    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     acc.Reload()
     out: Series = {}
-    for tag in acc.Tags()["tensors"]:
-        for event in acc.Tensors(tag):
-            out.setdefault(tag, {})[event.step] = tensor_util.make_ndarray(event.tensor_proto).item()
+    for tag in acc.Tags()["scalars"]:
+        for event in acc.Scalars(tag):
+            out.setdefault(tag, {})[event.step] = event.value
     return out
+
+
+def as_float32(series: Series) -> Series:
+    """What TensorBoard keeps of each value: the nearest float32 (as a Python float)."""
+    return {name: {step: struct.unpack("f", struct.pack("f", value))[0] for step, value in points.items()}
+            for name, points in series.items()}
 
 
 def mlflow_runs(tracking_uri, experiment="zeroray"):

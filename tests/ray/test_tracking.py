@@ -10,7 +10,7 @@ import zeroray as zr
 from tests.models import lm_loss, make_batches, parity_model
 from tests.ray.test_faults import KillingData, gated_loss
 from tests.ray.test_snapshot_recovery import _arm_kill
-from tests.tracking_readback import (mlflow_history, mlflow_runs, tensorboard_scalars, wandb_history,
+from tests.tracking_readback import (as_float32, mlflow_history, mlflow_runs, tensorboard_scalars, wandb_history,
                                      wandb_run_files)
 from zeroray.checkpoint import load_manifest
 from zeroray.tracking import MLflowCallback, TensorBoardCallback, WandbCallback
@@ -60,7 +60,7 @@ def test_a_2_worker_fit_logs_exactly_its_results_once(ray_local, tmp_path):
     assert set(want) == {"train/loss", "train/grad_norm", "train/step_time_s", "eval/loss", "eval/accuracy"}
 
     assert len(glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))) == 1
-    assert tensorboard_scalars(tmp_path / "tb") == want
+    assert tensorboard_scalars(tmp_path / "tb") == as_float32(want)  # TensorBoard keeps float32
 
     _, runs = mlflow_runs(trackers[1].tracking_uri)
     assert len(runs) == 1
@@ -124,4 +124,4 @@ def test_a_callback_sees_steps_evaluations_checkpoints_and_a_recovery(ray_local,
     evals = [e for e in events if e[0] == "eval"]
     assert evals[1][2] == evals[2][2]  # step 4 replayed from step 3's checkpoint evaluates the same
     assert [r.step for r in results] == list(range(1, steps + 1))
-    assert tensorboard_scalars(tmp_path / "tb")["train/loss"] == {r.step: r.loss for r in results}
+    assert tensorboard_scalars(tmp_path / "tb")["train/loss"] == as_float32({"l": {r.step: r.loss for r in results}})["l"]

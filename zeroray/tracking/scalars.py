@@ -6,7 +6,8 @@ Each evaluation (fit's ``eval_every`` and the one at its end, or a ``Trainer.eva
 tracker) logs ``eval/loss`` and ``eval/<metric>`` for every metric of ``eval_metric_fn``, at the
 step count whose weights it evaluated. The names follow Hugging Face Trainer's ``train/`` and
 ``eval/`` prefixes, so the dashboards group them the same way. Values are logged as Python floats,
-exactly as the StepResult and evaluate hold them.
+exactly as the StepResult and evaluate hold them (TensorBoard stores the nearest float32:
+tracking/tensorboard.py).
 
 After a recovery from a worker failure fit replays the steps after the checkpoint it resumed
 from, and ``on_step`` sees their numbers again: TensorBoard keeps the later points (its reader drops

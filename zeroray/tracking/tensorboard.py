@@ -1,10 +1,12 @@
 """``TensorBoardCallback``: fit's and evaluate's scalars as TensorBoard event files
 (``torch.utils.tensorboard.SummaryWriter``; needs the ``tensorboard`` package: the ``tensorboard`` extra).
 
-Scalars are written as float64 tensors (``new_style=True, double_precision=True``), so the event
-file holds exactly the float the StepResult held; TensorBoard's scalars page shows them as any
-other scalar. Read them back with ``tensorboard.backend.event_processing.event_accumulator``'s
-``EventAccumulator(logdir).Tensors(tag)``.
+Scalars are TensorBoard's plain ones (a float32 ``simple_value``, as Hugging Face's and Lightning's
+TensorBoard loggers write them): each point is the float32 nearest the StepResult's float. The
+float64 form (``add_scalar(..., new_style=True, double_precision=True)``) would keep every digit, but
+TensorBoard 2.21's default reader (its Rust data server, ``--load_fast=auto``) shows none of those
+scalars: the scalars page stays empty. Read them back with
+``tensorboard.backend.event_processing.event_accumulator``'s ``EventAccumulator(logdir).Scalars(tag)``.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class TensorBoardCallback(Tracker):
     def log_scalars(self, step: int, values: Dict[str, float]) -> None:
         writer = self._open()
         for tag, value in values.items():
-            writer.add_scalar(tag, value, step, new_style=True, double_precision=True)
+            writer.add_scalar(tag, value, step)
 
     def on_evaluation(self, step: int, metrics: Dict[str, float]) -> None:
         super().on_evaluation(step, metrics)
