@@ -33,12 +33,12 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, Deque, List, Optional, Sequence, Union
+from typing import Any, Deque, List, Optional, Union
 
 import torch
 
 from zeroray.config import CheckpointConfig, FailureConfig
-from zeroray.runtime.callbacks import Callback
+from zeroray.runtime.callbacks import Callbacks
 from zeroray.runtime.controller import Controller
 from zeroray.runtime.data import RayDataFeed, is_ray_dataset
 from zeroray.runtime.fit_eval import FitEvaluation
@@ -83,8 +83,10 @@ def _feed(controller: Controller, data: Any, batch_size: Optional[int]) -> Union
 def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batch_size: Optional[int],
             skip: Optional[int], progress: bool, failure: FailureConfig, checkpoint: CheckpointConfig,
             metrics_path: Optional[str], evaluation: Optional[FitEvaluation] = None,
-            callbacks: Sequence[Callback] = ()) -> List[StepResult]:
-    """Trainer.fit: see its docstring, [Note: pipelined steps] and [Note: data replay]."""
+            callbacks: Optional[Callbacks] = None) -> List[StepResult]:
+    """Trainer.fit: see its docstring, [Note: pipelined steps] and [Note: data replay]; the events
+    reach ``callbacks`` as runtime/callbacks.py says."""
+    callbacks = callbacks or Callbacks()
     if num_steps is not None and (not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0):
         raise ValueError(f"num_steps={num_steps!r} must be an int >= 0, or None to run until the data ends")
     replayable = is_ray_dataset(data) or iter(data) is not data
@@ -93,7 +95,9 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
                          "whose __iter__ starts over), so batches can be replayed after a failure; "
                          "got a one-shot iterator")
     controller.begin_fit(skip, failure.snapshot_every)
+    error: Optional[BaseException] = None
     try:
+        callbacks.fit_start(controller.step_count)
         end = None if num_steps is None else controller.data_position + num_steps
         failures = FailurePolicy(failure.max_failures)
         scaling = ScalingPolicy(controller.scaling.num_workers, controller.scaling.min_workers,
@@ -108,14 +112,15 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
                 try:
                     if resave:  # the save a failure interrupted: recovery resumed at its step
                         resave = False
-                        controller.save(checkpoint.path, checkpoint.keep)
+                        _save(controller, checkpoint, callbacks)
                     _run(controller, feed, end, checkpoint, results, bar, evaluation, callbacks)
                     if evaluation is not None:
-                        evaluation.finish(controller, results, bar)
+                        evaluation.finish(controller, results, bar, callbacks)
                     break
-                except Exception as error:  # noqa: BLE001 - classified by recover: raise, or restart
+                except Exception as failed:  # noqa: BLE001 - classified by recover: raise, or restart
                     feed.close()
-                    controller.recover(error, failures, scaling, note)
+                    controller.recover(failed, failures, scaling, note)
+                    callbacks.recovery(controller.recoveries[-1])
                     results[:] = [r for r in results if r.step <= controller.step_count]  # replayed below
                     # From an in-memory snapshot, recovery may resume exactly at a step whose save
                     # the failure interrupted (a worker died writing it): the loop would not save
@@ -128,13 +133,17 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
             if bar:
                 bar.close()
         return results
+    except BaseException as raised:
+        error = raised
+        raise
     finally:
         controller.end_fit()
+        callbacks.fit_end(controller.step_count, error)  # the Trainer is idle again: on_fit_end may evaluate
 
 
 def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optional[int], ckpt: CheckpointConfig,
          results: List[StepResult], bar: Optional[Progress], evaluation: Optional[FitEvaluation],
-         callbacks: Sequence[Callback] = ()) -> None:
+         callbacks: Callbacks) -> None:
     """Steps from ``feed`` until it ends or ``end`` is reached, PIPELINE_DEPTH in flight."""
     in_flight: Deque[PendingStep] = deque()
     ended = False
@@ -145,7 +154,7 @@ def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optio
                     break
                 last = in_flight[-1].number if in_flight else None
                 if last is not None and (_saves_after(last, ckpt) or (evaluation is not None and evaluation.due(last))
-                                         or any(cb.pauses_after(last) for cb in callbacks)):
+                                         or callbacks.pauses_after(last)):
                     break  # a checkpoint, evaluation or callback waits for its step: nothing may run before it
                 pending = feed.submit(controller, after_ok=bool(in_flight))
                 if pending is None:
@@ -171,16 +180,21 @@ def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optio
                     bar.tokens_per_step = pending.tokens
                 bar.update(result)
             if _saves_after(result.step, ckpt):
-                controller.save(ckpt.path, ckpt.keep)
+                _save(controller, ckpt, callbacks)
             if evaluation is not None and evaluation.due(result.step):
-                evaluation.run(controller, results, bar)
-            for callback in callbacks:  # runtime/callbacks.py
-                callback.on_step(result)
+                evaluation.run(controller, results, bar, callbacks)
+            callbacks.step(result)
     except BaseException:
         # The driver's side failed (the data iterator, a save, Ctrl-C): the steps already sent
         # count, so step_count and data_position say what the workers applied.
         _settle(controller, in_flight, results)
         raise
+
+
+def _save(controller: Controller, ckpt: CheckpointConfig, callbacks: Callbacks) -> None:
+    """fit's checkpoint of the step it is at (every_steps, or the save a failure interrupted)."""
+    path = controller.save(ckpt.path, ckpt.keep)
+    callbacks.checkpoint(controller.step_count, path)
 
 
 def _saves_after(step: int, ckpt: CheckpointConfig) -> bool:

@@ -30,7 +30,7 @@ from zeroray.layout.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
 from zeroray.runtime.auto_stage import first_batch, resolve_stage
-from zeroray.runtime.callbacks import Callback
+from zeroray.runtime.callbacks import Callback, Callbacks
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.controller import Controller
 from zeroray.runtime.fit_eval import FitEvaluation
@@ -231,24 +231,24 @@ class Trainer:
         metrics file (a record with ``step``, ``eval_loss`` and ``eval_<metric>``) and to the
         ``evaluation`` of the StepResult of the step it followed.
 
-        ``callbacks``: ``zr.Callback`` objects whose ``on_step(result)`` fit calls on the driver for
-        every step, after its checkpoint and evaluation (see runtime/callbacks.py).
+        ``callbacks``: ``zr.Callback`` objects (the trackers of ``zeroray.tracking``, or your own)
+        that fit calls on the driver as it starts, steps, evaluates, saves, recovers and ends
+        (``on_step(result)`` for every step, after its checkpoint and evaluation): see
+        runtime/callbacks.py.
         """
-        callbacks = list(callbacks)
-        if any(not isinstance(cb, Callback) for cb in callbacks):
-            raise ValueError(f"callbacks must be zr.Callback objects, got {[type(cb).__name__ for cb in callbacks]}")
+        hooks = Callbacks(callbacks)
         if eval_metric_fn is not None:
             ship_by_value(eval_metric_fn)
         data = self._start_for(data, batch_size)
         return run_fit(self.controller, data, num_steps, batch_size=batch_size, skip=skip, progress=progress,
                        failure=self.failure, checkpoint=self.checkpoint_config, metrics_path=self.metrics_path,
                        evaluation=FitEvaluation.of(eval_data, eval_every, eval_metric_fn, batch_size),
-                       callbacks=callbacks)
+                       callbacks=hooks)
 
     # --- evaluation and inference ([Note: inference calls] in zeroray/engine/inference.py) ----------
 
-    def evaluate(self, data: Any, metric_fn: Optional[Callable] = None, batch_size: Optional[int] = None
-                 ) -> Dict[str, float]:
+    def evaluate(self, data: Any, metric_fn: Optional[Callable] = None, batch_size: Optional[int] = None, *,
+                 callbacks: Sequence[Callback] = ()) -> Dict[str, float]:
         """The model's loss (and metrics) on ``data``, without training: ``{"loss": ..., **metrics}``.
 
         ``data``: an iterable of global batches (each split over the workers as in ``step``), or a
@@ -258,15 +258,19 @@ class Trainer:
         in ``eval()`` mode under ``torch.no_grad()``. Per batch, each value is the mean over the
         workers weighted by their rows (the training loss's semantics), then the mean over the batches.
         Touches no optimizer state, step count or gradient, and leaves stage 3's prefetch trace
-        as it was.
+        as it was. ``callbacks``' ``on_evaluation(step_count, result)`` sees the result (a tracker
+        logs it at the current step).
         """
+        hooks = Callbacks(callbacks)
         if metric_fn is not None and not callable(metric_fn):
             raise ValueError("metric_fn must be a callable (model, batch) -> dict of name -> float, "
                              f"got {type(metric_fn).__name__}")
         if metric_fn is not None:
             ship_by_value(metric_fn)
         data = self._start_for(data, batch_size)
-        return self.controller.evaluate(data, metric_fn, batch_size)
+        metrics = self.controller.evaluate(data, metric_fn, batch_size)
+        hooks.evaluation(self.controller.step_count, metrics)
+        return metrics
 
     def run(self, fn: Callable, *args: Any) -> Any:
         """``fn(model, *args)`` on every worker with the sharded model in ``eval()`` mode under
