@@ -144,6 +144,7 @@ class MappedBlocks:
     tunes; does nothing where glibc's ``mallopt`` is not there (then ``active`` is False)."""
 
     def __init__(self) -> None:
+        self._depth = 0  # mapped() contexts open (they nest: a shard's buffer inside a chunk's step)
         mallopt = _glibc("mallopt")
         # Fixing the threshold also stops glibc raising it: it stays where mapped() puts it back.
         self._mallopt = mallopt if mallopt is not None and mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD) == 1 else None
@@ -157,14 +158,20 @@ class MappedBlocks:
 
     @contextlib.contextmanager
     def mapped(self):
+        """Within: blocks of ``MAPPED_THRESHOLD`` or more are mappings of their own. Nested, the
+        threshold goes back to ``HEAP_THRESHOLD`` when the outermost ends, not the innermost."""
         if self._mallopt is None:
             yield
             return
-        self._mallopt(_M_MMAP_THRESHOLD, MAPPED_THRESHOLD)
+        self._depth += 1
+        if self._depth == 1:
+            self._mallopt(_M_MMAP_THRESHOLD, MAPPED_THRESHOLD)
         try:
             yield
         finally:
-            self._mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD)
+            self._depth -= 1
+            if self._depth == 0:
+                self._mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD)
 
 
 def fix_heap_ceiling() -> bool:
