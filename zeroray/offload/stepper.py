@@ -64,9 +64,10 @@ arena, those chunk-sized blocks, one pair per chunk, freed a chunk or two later 
 small long-lived allocations of the steps around them, left holes the next chunk's pair did
 not fit, and the arena grew by most of the first step's state and kept it resident. With the
 parameter shard on disk (stage 3), whose allocator serves blocks under 8 MiB from the heap
-(``MappedBlocks`` in memory/process.py), that was the ~100-190 MB a stage-3 offload worker held
-beyond its tensors (benchmarks/offload_heap.py measures the stepper alone: the arena held
-160 MB more after the first step of 31.6M fp32 elements in 23 chunks, 2 MB with the fix).
+(``MappedBlocks`` in memory/process.py), that was most of what a stage-3 offload worker held
+beyond its tensors (benchmarks/offload_heap.py measures the stepper alone: over 31.6M fp32
+elements in 23 chunks the arena grew by 146 MB in the first step, nearly all of it free, and by
+nothing with the fix; docs/planning.md has the fits.py row before and after).
 So a stateless chunk steps inside the shard's ``mapped`` context: torch's fresh state are
 mappings of their own, handed back to the OS when freed, as the shard's buffers are
 (``fresh``; a no-op without a shard on disk, where nothing fixed the threshold this low).
