@@ -26,7 +26,8 @@ each one measured (``benchmarks/memory_rss.py``).
   only when the heap cannot serve it, so most unit buffers were still cut from the top of the
   heap, and every activation of 8 MiB or more was a mapping faulted in afresh at each step
   (benchmarks/README.md has both). ``MappedBlocks`` now serves only a stage-3 parameter shard on
-  disk, whose slices it maps (offload/shard.py). Fixing the threshold low for the whole process
+  disk, whose slices it maps (offload/shard.py), and the first step's optimizer state of the disk
+  tier beside it ([Note: fresh state off the heap] in offload/stepper.py). Fixing the threshold low for the whole process
   did the same for memory but faulted every activation in afresh each step (kernel-zeroed
   pages): 40% slower steps on a 3M-parameter model; ``ProcessMemory`` keeps that as an option
   (``mmap_threshold``), off by default.
