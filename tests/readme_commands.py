@@ -20,6 +20,7 @@ RUNS = {
     "A local script": "tests/e2e/test_readme_commands.py",
     "A notebook": ".ci/run",
     "A job on a Ray cluster": "tests/e2e/test_job_submission.py",
+    "Fine-tuning a Hugging Face model": "tests/e2e/test_finetune_hf.py",
 }
 # Commands .ci/run runs instead of their subsection's test: a long run with nothing to compare,
 # kept out of the pytest suite's time.

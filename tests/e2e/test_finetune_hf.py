@@ -37,6 +37,7 @@ import hf_text  # noqa: E402
 import make_tiny_hf  # noqa: E402
 
 from zeroray.checkpoint import full_state_dict, latest_checkpoint  # noqa: E402
+from tests.readme_commands import ways_to_run, without_comment  # noqa: E402
 
 pytestmark = pytest.mark.slow
 COMMAND_TIMEOUT_S = 600
@@ -44,10 +45,7 @@ PERPLEXITY = re.compile(r"^step (\d+): .*perplexity ([\d.]+)$", re.M)
 
 
 def readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### Fine-tuning a Hugging Face model", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    return [line.split("  #")[0].strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    return [without_comment(c) for c in ways_to_run()["Fine-tuning a Hugging Face model"]]
 
 
 def script_env() -> dict:

@@ -8,7 +8,8 @@ step never asks which stage it runs:
 - the model and its layout (engine/model_build.py);
 - the storage of the stage family: units, master, gradient, parameter shard and gatherer
   ([Note: stage data flow] in engine/storage.py);
-- the coordinator that gathers and frees units (engine/coordination.py: none at stage 0);
+- the coordinator of the stage, which gathers and frees units (fetch/build.py; at stage 0 it
+  only follows the step's phases);
 - the gradient buckets (comm/buckets.py) fed by the parameters' hooks (engine/grad_intake.py);
 - the optimizer over the master: flat pieces (engine/optim.py) or whole parameters
   (engine/shaped_optim.py), chosen once (engine/optim_choice.py); activations (engine/activations.py);
@@ -17,7 +18,7 @@ step never asks which stage it runs:
   engine/sync_batchnorm.py).
 
 One step: every micro-batch runs ``loss_fn`` and backward with the coordinator fetching
-units (fetch/coordinator.py) and the buckets reducing gradients; then one status all-reduce carries the
+units (fetch/unit_fetcher.py) and the buckets reducing gradients; then one status all-reduce carries the
 squared gradient norm, every rank's outcome ([Note: step outcome] in errors.py) and which
 parameters each rank produced a gradient for; then the optimizer updates the master, skipping
 the parameters no rank used ([Note: unused parameters] in engine/flat_pieces.py), and the update is
@@ -40,7 +41,6 @@ from zeroray.engine import state, step_status, sync_batchnorm
 from zeroray.engine.activations import track_activations
 from zeroray.engine.batch import batch_size, part_weights, split_batch, to_device
 from zeroray.engine.buffer_sync import BufferBroadcast
-from zeroray.engine.coordination import build_coordinator
 from zeroray.engine.grad_intake import GradIntake
 from zeroray.engine.inference import evaluation, run_call
 from zeroray.engine.model_build import build_model, load_saved_weights
@@ -51,6 +51,7 @@ from zeroray.engine.precision import MixedPrecision, load_untrained
 from zeroray.engine.step_result import StepStats, check_loss, skips
 from zeroray.engine.storage import build_storage
 from zeroray.errors import CollectiveError, PeerStepError
+from zeroray.fetch.build import build_coordinator
 from zeroray.layout.arena import FlatLayout
 from zeroray.layout.stage import StagePolicy
 
@@ -102,8 +103,8 @@ class Engine:
                                    unit_order=default_unit_order(self.layout), timed=zero.buckets_planned,
                                    wait=self.waiter)
         # before any user callback (param_groups) may read a parameter
-        self.coordinator = build_coordinator(policy, self.model, self.layout, s, group, self.waiter,
-                                             zero, named, self.reducer)
+        self.coordinator, unit_events = build_coordinator(policy, zero, self.model, self.layout, s.units, s.gatherer,
+                                                          group, self.waiter, named, self.reducer)
         overrides = param_overrides(self.layout.param_names, named, param_groups)
         # what param_groups gave each local parameter: a checkpoint records it ([Note: optimizer record])
         self.param_overrides = {name: overrides[name] for name in s.param_spans()}
@@ -111,10 +112,9 @@ class Engine:
         # flat pieces or whole parameters, by the optimizer ([Note: optimizer paths] in engine/optim_choice.py)
         self.optimizer = build_optimizer(optimizer, s, self.layout, overrides, group, zero, scheduler, offload)
         self.bucket_learning = BucketLearning(self.reducer, zero)
-        self.grads = GradIntake(named, self.layout, self.units, self.reducer, self.coordinator)
+        self.grads = GradIntake(named, self.layout, self.units, self.reducer, unit_events)
         self.activations, self._restore_forwards = track_activations(
-            self.model, self.units, zero.activation_checkpointing, zero.offload_activations,
-            coordinator=self.coordinator if policy.reshard_after_use else None)
+            self.model, self.units, zero.activation_checkpointing, zero.offload_activations, unit_events)
         self.scaler = (LossScaler(zero.initial_loss_scale, zero.loss_scale_growth_factor,
                                   zero.loss_scale_backoff_factor, zero.loss_scale_growth_interval,
                                   zero.min_loss_scale) if zero.dtype == "fp16" else None)
@@ -244,9 +244,7 @@ class Engine:
         """This rank's code raised in micro-batch ``current``: take part in every collective its
         peers still expect of the step, computing nothing ([Note: step outcome] in errors.py)."""
         for i in range(current, k):
-            if len(self.coordinator.records) <= i:
-                self.coordinator.begin_micro_batch(i)
-            self.coordinator.abort_micro_batch()
+            self.coordinator.abort_micro_batch(i)
             if self.policy.reduce_every_micro_batch or i == k - 1:
                 if i > current:
                     self.reducer.begin_backward(accepting=True)

@@ -132,7 +132,7 @@ class StepReport:
 
 def window_bytes(w: Workload, cfg: RunConfig) -> int:
     """The stage-3 prefetch window in bytes: ``prefetch_bytes``, or the engine's default
-    (fetch/coordinator.py): the largest unit, never less than one coalescing bucket."""
+    (fetch/unit_fetcher.py): the largest unit, never less than one coalescing bucket."""
     if cfg.prefetch_bytes is not None:
         return cfg.prefetch_bytes
     return max(max(u.params for u in w.units) // cfg.tp * DTYPE_BYTES[cfg.dtype], cfg.bucket_bytes)
