@@ -11,6 +11,10 @@ A case may also evaluate after training (``evaluate``): every worker calls the e
 ``evaluate`` on its share of one more batch (``loss_fn`` in eval mode, no gradients) and
 ``run(fuzz_logits, share)`` (the logits), compared with the oracle's model in eval mode.
 
+Drawn last (so adding them changed no earlier draw of a seed), the recipe around the model
+(issue 41, recipe.py): the optimizer and offload="disk" (configs.sample_recipe), and on the
+model SyncBatchNorm (where it has a bn block) and torch.distributed calls in ``loss_fn``.
+
 ``without`` names features to leave out, the known gaps (GAPS) while other branches fix them:
   buffers   bf16/fp16 cases get no float buffer (sinusoidal table, scale, BatchNorm)
   unused    every expert of a Route block gets a row of every global batch (at stages 0-1 with
@@ -22,6 +26,7 @@ A case may also evaluate after training (``evaluate``): every worker calls the e
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass, field
@@ -29,7 +34,7 @@ from typing import FrozenSet, List, Optional
 
 import torch
 
-from tests.conformance.configs import RunConfig, sample_config, sample_extras, with_rows_at_least
+from tests.conformance.configs import RunConfig, sample_config, sample_extras, sample_recipe, with_rows_at_least
 from tests.conformance.data import make_batches
 from tests.conformance.grammar import FuzzNet, ModelSpec, fuzz_logits, fuzz_loss, sample_model
 from zeroray.engine.batch import split_batch
@@ -138,6 +143,9 @@ def make_case(seed: int, without: FrozenSet[str] = frozenset(), max_world: int =
     extra = rng.randint(1, parts - 1) if rng.random() < 0.3 and parts > 1 else 0
     if extra and "uneven" not in without:
         _add_rows(case, extra)
+    case.config = sample_recipe(rng, case.config)
+    sync_bn = rng.random() < 0.5 and "bn" in model.blocks
+    case.model = dataclasses.replace(model, sync_bn=sync_bn, dist_loss=rng.random() < 0.3)
     return case
 
 
