@@ -193,5 +193,5 @@ def sample_recipe(rng: random.Random, config: RunConfig) -> RunConfig:
     zero = dict(config.zero)
     if rng.random() < 0.2:
         zero["offload"] = "disk"
-        zero["offload_chunk_bytes"] = rng.choice((64, 256, 4096))
+        zero["offload_chunk_bytes"] = rng.choice((256, 1024, 4096))  # 256: the smallest ZeroConfig takes
     return dataclasses.replace(config, zero=zero, optimizer=optimizer)

@@ -80,7 +80,10 @@ def _run_case(rank: int, case: Case, index: int, out_dir: str, kept: list) -> di
 
     world = case.config.world
     port = _port(rank, index, out_dir) if world > 1 else 0
-    group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=GROUP_TIMEOUT_S)
+    # the rendezvous waits as long as the barrier: a set's first case also waits for its peers' start-up
+    # (seconds on a loaded machine: 30 s was too short at load 50)
+    group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=GROUP_TIMEOUT_S,
+                             rendezvous_timeout_s=BARRIER_TIMEOUT_S)
     engine = None
     try:
         join_default_group(group, "gloo", GROUP_TIMEOUT_S)

@@ -16,6 +16,7 @@ import pytest
 
 from tests.conformance.case import EXCLUDABLE, GAPS, make_case
 from tests.conformance.driver import run_case_list
+from tests.conformance.recipe import OPTIMIZERS, WHOLE_PARAM
 
 ALL_GAPS = frozenset(EXCLUDABLE)
 # two greedy covers of the features listed in test_the_cases_exercise_what_they_are_for (and
@@ -78,35 +79,58 @@ def test_known_gap_cases_match_pytorch(outcomes, gap, seed):
     _check(outcome)
 
 
+def features(case):
+    """What a case exercises, for the coverage test: model, data, config, recipe and the issue-24
+    features, alone and in pairs."""
+    c, z = case, case.config.zero
+    seen = set(c.model.features()) | {f"stage{z['stage']}-W{c.config.world}", c.config.dtype}
+    seen |= {f"{k}" for k in z if k not in ("stage", "dtype", "initial_loss_scale", "offload_chunk_bytes")}
+    seen |= {"padded"} if c.padded else set()
+    seen |= {f"{k}-{type(v).__name__}" for k, v in z.items() if k in ("wrap", "activation_checkpointing")}
+    seen |= {"param_groups"} if c.config.groups else set()
+    seen |= {"warmup"} if c.config.scheduler else set()
+    seen |= {"agree-stage3-W>1"} if c.agree_first and z["stage"] == 3 and c.config.world > 1 else set()
+    if c.model.routed:
+        seen.add(f"route-stage{z['stage']}")
+        if c.config.world > 1:
+            seen.add(f"route-stage{z['stage']}-W>1")
+        if c.config.accum > 1:
+            seen.add(f"route-accum-stage{z['stage']}")
+    # the recipe (issue 41): each optimizer on several workers at stages 1-3 (sharded) and at 0
+    opt, world = c.config.optimizer, c.config.world
+    seen.add(f"{opt}-{'sharded' if z['stage'] else 'stage0'}{'-W>1' if world > 1 else ''}")
+    seen |= {f"sync_bn-W>1-stage{z['stage']}"} if c.model.sync_bn and world > 1 else set()
+    seen |= {"sync_bn-W>1-accum"} if c.model.sync_bn and world > 1 and c.config.accum > 1 else set()
+    seen |= {"dist_loss-W>1"} if c.model.dist_loss and world > 1 else set()
+    seen |= {"dist_loss-stage3-W>1"} if c.model.dist_loss and world > 1 and z["stage"] == 3 else set()
+    seen |= {f"offload-{'whole' if opt in WHOLE_PARAM else 'flat'}"} if z.get("offload") else set()
+    gaps = sorted(c.gaps())
+    seen |= {f"gap-{g}" for g in gaps} | {f"gap-{a}+{b}" for i, a in enumerate(gaps) for b in gaps[i + 1:]}
+    seen |= {"gaps-3+"} if len(gaps) >= 3 else set()
+    return seen
+
+
+WANTED = {"linear", "twice", "frozen", "frozen_all", "ln", "bn", "conv", "mha", "scale", "route", "shared_module",
+          "sinusoidal", "head_own", "head_tied", "head_loss_fn", "l2", "padded", "fp32", "bf16", "fp16",
+          "grad_accum_steps", "max_grad_norm", "wrap", "bucket_bytes", "bucket_timeout_ms", "prefetch",
+          "prefetch_bytes", "reuse_distance", "max_live_bytes", "sharded_init", "activation_checkpointing",
+          "offload_activations", "cast_buffers", "route-stage3-W>1", "route-accum-stage3", "route-stage0",
+          "route-stage1", "route-accum-stage0", "reduce_dtype", "wrap-str", "wrap-tuple", "wrap-function",
+          "activation_checkpointing-bool", "activation_checkpointing-tuple", "param_groups", "warmup",
+          "agree-stage3-W>1", "offload", "offload-flat", "offload-whole", "sync_bn", "dist_loss", "sync_bn-W>1-accum",
+          "dist_loss-W>1", "dist_loss-stage3-W>1"}
+WANTED |= {f"stage{s}-W{w}" for s in range(4) for w in (1, 2, 3)}
+WANTED |= {f"{o}-{where}-W>1" for o in OPTIMIZERS for where in ("sharded", "stage0")}
+WANTED |= {f"sync_bn-W>1-stage{s}" for s in range(4)}
+WANTED |= {f"gap-{a}+{b}" for i, a in enumerate(sorted(EXCLUDABLE)) for b in sorted(EXCLUDABLE)[i + 1:]}
+WANTED |= {"gaps-3+"}
+
+
 def test_the_cases_exercise_what_they_are_for():
-    """No processes: each gap case exercises its gap alone, and the fixed set covers the grammar."""
+    """No processes: each gap case exercises its gap alone, and the fixed set covers the grammar,
+    the recipe, and the issue-24 features with each other."""
     for gap, seeds in GAP_SEEDS.items():
         for seed in seeds:
             assert _gap_case(gap, seed).gaps() == {gap}, (gap, seed)
-    cases = [make_case(s, ALL_GAPS) for s in FIXED_SEEDS]
-    seen = set()
-    for c in cases:
-        z = c.config.zero
-        seen |= set(c.model.features()) | {f"stage{z['stage']}-W{c.config.world}", c.config.dtype}
-        seen |= {f"{k}" for k in z if k not in ("stage", "dtype", "initial_loss_scale")}
-        seen |= {"padded"} if c.padded else set()
-        seen |= {f"{k}-{type(v).__name__}" for k, v in z.items() if k in ("wrap", "activation_checkpointing")}
-        seen |= {"param_groups"} if c.config.groups else set()
-        seen |= {"warmup"} if c.config.scheduler else set()
-        seen |= {"agree-stage3-W>1"} if c.agree_first and z["stage"] == 3 and c.config.world > 1 else set()
-        if c.model.routed:
-            seen.add(f"route-stage{z['stage']}")
-            if c.config.world > 1:
-                seen.add(f"route-stage{z['stage']}-W>1")
-            if c.config.accum > 1:
-                seen.add(f"route-accum-stage{z['stage']}")
-    wanted = {"linear", "twice", "frozen", "frozen_all", "ln", "bn", "conv", "mha", "scale", "route", "shared_module",
-              "sinusoidal", "head_own", "head_tied", "head_loss_fn", "l2", "padded", "fp32", "bf16", "fp16",
-              "grad_accum_steps", "max_grad_norm", "wrap", "bucket_bytes", "bucket_timeout_ms", "prefetch",
-              "prefetch_bytes", "reuse_distance", "max_live_bytes", "sharded_init", "activation_checkpointing",
-              "offload_activations", "cast_buffers", "route-stage3-W>1", "route-accum-stage3", "route-stage0",
-              "route-stage1", "route-accum-stage0", "reduce_dtype", "wrap-str", "wrap-tuple", "wrap-function",
-              "activation_checkpointing-bool", "activation_checkpointing-tuple", "param_groups", "warmup",
-              "agree-stage3-W>1"}
-    wanted |= {f"stage{s}-W{w}" for s in range(4) for w in (1, 2, 3)}
-    assert not wanted - seen, sorted(wanted - seen)
+    seen = set().union(*(features(make_case(s)) for s in FIXED_SEEDS))
+    assert not WANTED - seen, sorted(WANTED - seen)
