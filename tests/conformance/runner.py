@@ -72,7 +72,6 @@ def _port(rank: int, index: int, out_dir: str) -> int:
 
 
 def _run_case(rank: int, case: Case, index: int, out_dir: str, kept: list) -> dict:
-    import zeroray as zr
     from zeroray.comm.group import make_torch_group
     from zeroray.comm.user_group import join_default_group, leave_default_group
     from zeroray.engine.batch import batch_size, split_batch
