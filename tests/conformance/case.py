@@ -23,6 +23,8 @@ model SyncBatchNorm (where it has a bn block) and torch.distributed calls in ``l
   eval      no case evaluates after training
   uneven    every global batch divides over workers x micro-batches (else some gain 1 to
             W*k - 1 rows, copies of their first ones, and split as array_split cuts)
+  diverge_dist  no SyncBatchNorm and no torch.distributed in ``loss_fn`` where stage 3's
+            workers may run different modules (a routed model on 2-3 workers: GAPS)
 """
 from __future__ import annotations
 
@@ -53,8 +55,15 @@ GAPS = {
     "eval": ("no evaluation/inference calls on the engine (Engine.evaluate, Engine.run)", "fixed: zeroray/engine/inference.py"),
     "uneven": ("a global batch whose rows do not divide over the workers x micro-batches is refused ('does not "
                "split evenly')", "fixed: zeroray/engine/batch.py, [Note: uneven splits]"),
+    # found by this fuzzer (issue 41): a rank whose routing needs a parameter the other does not
+    # waits in a negotiated gather for a peer that is blocked in the user's collective on the
+    # default group, which takes no part in zeroray's negotiation: both time out
+    "diverge_dist": ("stage 3 on 2-3 workers whose rows route to different experts, with a user collective "
+                     "(SyncBatchNorm, dist.all_reduce in loss_fn) after the divergence: hangs until the collective "
+                     "timeout (gloo 'Timed out waiting ... for recv' / 'Connection closed by peer')",
+                     "open: stage 3's negotiated fetch needs every peer inside zeroray's waits"),
 }
-EXCLUDABLE = ("buffers", "unused", "varshape", "eval", "uneven")
+EXCLUDABLE = ("buffers", "unused", "varshape", "eval", "uneven", "diverge_dist")
 
 
 @dataclass
@@ -95,6 +104,8 @@ class Case:
         parts = self.config.world * self.config.accum
         if any(b["idx"].shape[0] % parts for b in self.batches):
             out.add("uneven")
+        if diverges_with_dist(self.model, self.config):
+            out.add("diverge_dist")
         return frozenset(out)
 
     def _unused_in_last_micro_batch(self) -> bool:
@@ -146,7 +157,16 @@ def make_case(seed: int, without: FrozenSet[str] = frozenset(), max_world: int =
     case.config = sample_recipe(rng, case.config)
     sync_bn = rng.random() < 0.5 and "bn" in model.blocks
     case.model = dataclasses.replace(model, sync_bn=sync_bn, dist_loss=rng.random() < 0.3)
+    if "diverge_dist" in without and diverges_with_dist(case.model, case.config):
+        case.model = dataclasses.replace(case.model, sync_bn=False, dist_loss=False)
     return case
+
+
+def diverges_with_dist(model: ModelSpec, config: RunConfig) -> bool:
+    """Stage 3 on several workers that may run different experts, with a user collective after
+    them (GAPS["diverge_dist"])."""
+    return (config.zero["stage"] == 3 and config.world > 1 and model.routed
+            and (model.dist_loss or (model.sync_bn and "bn" in model.blocks)))
 
 
 def _add_rows(case: Case, extra: int) -> None:
