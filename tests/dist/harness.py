@@ -1,4 +1,7 @@
-"""Run the engine in W plain torch processes (gloo), no Ray: the engine layer's test bench."""
+"""Run the engine in W plain torch processes (gloo), no Ray: the engine layer's test bench.
+
+A spec with ``"ddp": True`` trains torch DDP instead of the engine, in the same processes
+(tests/dist/ddp_run.py): the parity tests' second reference, at the cost of its steps only."""
 import gc
 import os
 import sys
@@ -9,6 +12,7 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
+from tests.dist.ddp_run import train_ddp
 from zeroray.comm.group import make_torch_group
 from zeroray.comm.port import free_port
 from zeroray.engine.batch import split_batch
@@ -20,10 +24,15 @@ def _worker(rank, world, ports, specs_blob, out_dir):
     try:
         torch.set_num_threads(1)
         specs = cloudpickle.loads(specs_blob)
+        kept = []  # the DDP modules, alive until the rank exits (_run_rank says why)
         for index, (port, spec) in enumerate(zip(ports, specs)):
             spec_world = spec.get("world", world)  # a spec may use only the first ranks
             if rank < spec_world:
-                _run_one(rank, spec_world, port, spec, os.path.join(out_dir, f"spec{index}_rank{rank}.pt"))
+                out_file = os.path.join(out_dir, f"spec{index}_rank{rank}.pt")
+                if spec.get("ddp"):
+                    torch.save(train_ddp(rank, spec_world, port, spec, kept), out_file)
+                else:
+                    _run_one(rank, spec_world, port, spec, out_file)
     except BaseException:
         record_failure(rank, out_dir)
         raise
@@ -113,7 +122,8 @@ def spawn_ranks(target, world, args, out_dir, join_s):
 
 def run_engine(world, **spec):
     """Train on ``spec['batches']`` (global batches) with ``world`` ranks; returns rank results and
-    the consolidated fp32 parameters (state_dict names, tied aliases included)."""
+    the consolidated fp32 parameters (state_dict names, tied aliases included); for a DDP spec,
+    rank 0's state dict."""
     return run_engines(world, [spec])[0]
 
 
@@ -128,7 +138,7 @@ def run_engines(world, specs):
         for index in range(len(specs)):
             results = [torch.load(os.path.join(out_dir, f"spec{index}_rank{r}.pt"), weights_only=False)
                        for r in range(specs[index].get("world", world))]
-            out.append((results, consolidate(results)))
+            out.append((results, results[0]["state"] if specs[index].get("ddp") else consolidate(results)))
         return out
 
 
