@@ -2,26 +2,41 @@
 
 A spec with ``"ddp": True`` (tests/dist/harness.py) trains ``model_fn`` under
 ``DistributedDataParallel`` on the same global batches as zeroray's runs: each rank's loss is
-``loss_fn`` on its share (``split_batch``), DDP averages the gradients over the ranks, clipping
-by the global norm where ``max_grad_norm`` is set, micro-batches under ``no_sync``. Its distance
+``loss_fn`` on its equal share of the rows, DDP averages the gradients over the ranks. Its distance
 from single-process PyTorch is what float reordering alone moves a run by: [Note: parity bound]
 in tests/dist/parity.py.
 
-Spec keys: ``model_fn``, ``loss_fn``, ``optimizer`` (zeroray's optimizer spec, the same as the
-engine's runs: an object with ``build(params)``, or ``params -> torch optimizer``), ``batches``,
-and optionally ``seed`` (0), ``accum`` (1), ``max_grad_norm``, ``find_unused`` (False: every
-parameter gets a gradient every step). DDP steps zeroray's optimizer, not the single-process
-reference's: ``zr.AdamW`` builds torch's fused AdamW, which rounds differently from the default
-kernel, so DDP then differs from zeroray only in how the ranks' gradients are summed.
+Spec keys: ``model_fn``, ``loss_fn``, ``optimizer`` (``params -> torch optimizer``), ``batches``,
+and optionally ``seed`` (0). The run uses no zeroray code: a bug there (an optimizer
+spec that builds the wrong optimizer, a batch split that drops rows) would move DDP as far as
+zeroray and widen the bound with it, so the optimizer is a torch one the test builds and the
+rows are split here. The tests give it the kernel zeroray's ``zr.AdamW`` builds (torch's fused
+AdamW, which rounds differently from the single-process reference's default kernel), so DDP
+differs from zeroray only in how the ranks' gradients are summed.
 """
-import contextlib
 import datetime
+import functools
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from zeroray.engine.batch import split_batch
+
+def _rows(batch, parts: int, index: int):
+    """Piece ``index`` of ``parts`` equal pieces of a tensor / tuple / list / dict batch, along dim 0."""
+    if isinstance(batch, torch.Tensor):
+        assert batch.shape[0] % parts == 0, f"{batch.shape[0]} rows do not split into {parts}"
+        n = batch.shape[0] // parts
+        return batch[index * n:(index + 1) * n]
+    if isinstance(batch, dict):
+        return {k: _rows(v, parts, index) for k, v in batch.items()}
+    return type(batch)(_rows(v, parts, index) for v in batch)
+
+
+def fused_adamw(**hyper):
+    """``params -> torch.optim.AdamW(params, fused=True, **hyper)``: the kernel ``zr.AdamW(**hyper)``
+    builds, as a DDP spec's ``optimizer``."""
+    return functools.partial(torch.optim.AdamW, fused=True, **hyper)
 
 
 def train_ddp(rank: int, world: int, port: int, spec: dict, kept: list) -> dict:
@@ -33,25 +48,19 @@ def train_ddp(rank: int, world: int, port: int, spec: dict, kept: list) -> dict:
     try:
         torch.manual_seed(spec.get("seed", 0))
         model = spec["model_fn"]()
-        ddp = DistributedDataParallel(model, find_unused_parameters=spec.get("find_unused", False))
+        ddp = DistributedDataParallel(model)
         kept.append(ddp)
         params = [p for p in model.parameters() if p.requires_grad]
-        spec_opt = spec["optimizer"]
-        opt = spec_opt.build(params) if hasattr(spec_opt, "build") else spec_opt(params)
-        accum, loss_fn = spec.get("accum", 1), spec["loss_fn"]
-        max_norm = spec.get("max_grad_norm") or float("inf")
+        assert not hasattr(spec["optimizer"], "build"), "a DDP reference takes a torch optimizer, not zeroray's spec"
+        opt = spec["optimizer"](params)
         losses, norms = [], []
         for batch in spec["batches"]:
             opt.zero_grad(set_to_none=True)
-            total = 0.0
-            for m, mb in enumerate(split_batch(split_batch(batch, world)[rank], accum)):
-                with ddp.no_sync() if m < accum - 1 else contextlib.nullcontext():
-                    loss = loss_fn(ddp, mb)
-                    (loss / accum).backward()
-                total += loss.item() / accum
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            loss = spec["loss_fn"](ddp, _rows(batch, world, rank))
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, float("inf"))))
             opt.step()
-            losses.append(total)
+            losses.append(loss.item())
         return {"losses": losses, "norms": norms,
                 "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
     finally:

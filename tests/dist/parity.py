@@ -32,8 +32,10 @@ test runs torch DDP on the same batches (``"ddp": True`` specs, tests/dist/ddp_r
 step's loss and each parameter tensor may be ``REORDERING`` (2) times as far from
 single-process PyTorch as DDP's is, and never less than the fixed floor (losses 1e-5
 relative, parameters 1e-5 absolute: the bound before, which every tensor whose DDP distance is
-small keeps). DDP steps zeroray's own optimizer (``zr.AdamW`` is torch's fused AdamW), so
-zeroray differs from it only in how the ranks' gradients are summed: on 2 workers not at all
+small keeps). DDP steps the kernel zeroray's optimizer builds (``zr.AdamW`` is torch's fused
+AdamW; the test builds it in torch, and DDP's run uses no zeroray code, so a zeroray bug cannot
+move the reference and widen its own bound), so zeroray differs from it only in how the ranks'
+gradients are summed: on 2 workers not at all
 (x0 + x1 is commutative and halving is exact: every run of test_real_models equals DDP bit for
 bit), on 3 workers in the order of the three terms and a 1/3 after the sum instead of before,
 another reordering of the kind DDP's own distance measures (0.02-0.16 of it above). Twice DDP's

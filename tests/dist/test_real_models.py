@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zeroray as zr
+from tests.dist.ddp_run import fused_adamw
 from tests.dist.harness import run_engine_table
 from tests.dist.parity import assert_parity, global_losses
 from tests.models import reference_run
@@ -90,7 +91,7 @@ def _ddp_specs(saved, world):
     for name, stage, kind in _specs(saved, world):
         ref_name, loss = _reference_of(name, kind)
         specs[("ddp", ref_name, kind == "l2")] = dict(ddp=True, model_fn=models[ref_name], loss_fn=loss,
-                                                      optimizer=zr.AdamW(**ADAMW), batches=batches)
+                                                      optimizer=fused_adamw(**ADAMW), batches=batches)
     return specs
 
 

@@ -16,6 +16,7 @@ rounds, no plan exits) whatever its length.
 import torch
 
 import zeroray as zr
+from tests.dist.ddp_run import fused_adamw
 from tests.dist.harness import run_engines
 from tests.dist.parity import assert_parity
 from tests.padded_data import hf_loss, padded_batches
@@ -55,7 +56,7 @@ def test_changing_sequence_lengths_match_ddp_semantics():
     global_mean_state = reference(batches, parts=1)[2]  # the semantics DDP does not have
     specs = [dict(model_fn=hf_gpt2, loss_fn=hf_loss, optimizer=zr.AdamW(**ADAMW), zero=zr.ZeroConfig(stage=stage),
                   batches=batches) for stage in range(4)]
-    ddp_spec = dict(ddp=True, model_fn=hf_gpt2, loss_fn=hf_loss, optimizer=zr.AdamW(**ADAMW), batches=batches)
+    ddp_spec = dict(ddp=True, model_fn=hf_gpt2, loss_fn=hf_loss, optimizer=fused_adamw(**ADAMW), batches=batches)
     *runs, ddp = run_engines(WORLD, specs + [ddp_spec])
     for stage, (results, params) in enumerate(runs):
         ref_state_trained = {k: v for k, v in ref_state.items() if k in params}
