@@ -75,6 +75,7 @@ def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, ov
     from common import model_fn
     from zeroray.comm.group import make_torch_group
     from zeroray.engine.engine import Engine
+    from zeroray.fetch.publish import UpdatePublisher
 
     group = make_torch_group("gloo", rank, world, "127.0.0.1", port)
     phases: dict = {}
@@ -93,7 +94,7 @@ def engine_row(rank: int, world: int, port: int, stage: int, spec: BenchSpec, ov
     engine.reducer.finish = timed("finish", engine.reducer.finish)
     engine.optimizer.local_sumsq = timed("norm", engine.optimizer.local_sumsq)
     engine.optimizer.step = timed("opt", engine.optimizer.step)
-    if engine.coordinator is not None:
+    if isinstance(engine.coordinator, UpdatePublisher):  # stages 1-2
         engine.coordinator.publish = timed("publish", engine.coordinator.publish)
     profile = cProfile.Profile() if os.environ.get("PROF") and rank == 0 else None
     rows = []

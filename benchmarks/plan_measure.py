@@ -21,6 +21,9 @@ These kinds, each written into one JSON (benchmarks/results/plan_cpu_measured.js
 - ``engine_solo`` (per model and for the tiny model): the engine's own single-process step of each
   stage (over a SoloGroup) beside the floor's step, with their CPU seconds: what the engine's hooks,
   gradient copies, fetching and bookkeeping add to the plain step on the worker's own thread;
+- ``overlap`` (per world size): the plain step, the engine's point-to-point reduce-scatter and both
+  at once on every rank of a gloo group (``measure_overlap``): whether gloo's transfers run beside
+  the compute when the workers keep every core busy (the replay's ``Cluster.saturated``);
 - ``gloo``: collectives.py's timings of the engine's own calls (the point-to-point exchange's
   all-gather and reduce-scatter, the stage-0 all-reduce) at each world size, over sizes that span
   the buckets and units of these models; plan_check fits α–β to them;
@@ -240,6 +243,87 @@ def engine_solo(models=MODELS, steps: int = 20, warmup: int = 3) -> Dict[str, An
     return out
 
 
+def _overlap_rank(spec: BenchSpec, rank: int, world: int, port: int, mb: float, steps: int, warmup: int,
+                  out) -> None:
+    torch_threads = 1
+    import torch
+
+    torch.set_num_threads(torch_threads)
+    add_import_paths()
+    from zeroray.comm.group import TorchGroup, make_torch_group
+
+    native = make_torch_group("gloo", rank, world, "127.0.0.1", port)
+    p2p = TorchGroup(native.pg, rank, world, "gloo", point_to_point=True)
+    native.exchange = None
+    n = int(mb * 1e6) // 4 // world * world
+    full, shard = torch.randn(n), torch.empty(n // world)
+    scratch = torch.empty(p2p.scratch_numel(n // world))
+    floor = Floor(spec)
+    batch = next(iter(global_batches(spec)))
+    tick = torch.zeros(1)
+    times: Dict[str, List[float]] = {"compute": [], "comm": [], "both": [], "cpu_compute": []}
+
+    def compute() -> None:
+        floor.step(batch)
+        floor.fwd_bwd.pop(), floor.adamw.pop(), floor.cpu_fwd_bwd.pop(), floor.cpu_adamw.pop()
+
+    for i in range(warmup + steps):
+        for name in ("compute", "comm", "both"):
+            native.all_reduce(tick)  # the ranks start each part together
+            c0, t0 = time.process_time(), time.perf_counter()
+            if name == "compute":
+                compute()
+            else:
+                handle = p2p.reduce_scatter(shard, full, async_op=True, scratch=scratch)
+                if name == "both":
+                    compute()
+                handle.wait()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+                if name == "compute":  # one thread: its CPU seconds, to tell a step other processes slowed
+                    times["cpu_compute"].append(time.process_time() - c0)
+    native.close()
+    if rank == 0:
+        out.put(times)
+
+
+def measure_overlap(worlds=(2, 3), model: str = "gpt", mb: float = 64.0, steps: int = 10,
+                    warmup: int = 2, rows: int = 1) -> Dict[str, Any]:
+    """Whether gloo's transfers run beside the compute when the workers keep every core busy (the
+    replay's ``Cluster.saturated`` rule): per world size, ``world`` processes each time their plain step
+    (forward+backward and the flat AdamW, one thread), the engine's point-to-point reduce-scatter of
+    ``mb`` MB alone, and both at once (the reduce-scatter launched, then the step, then its wait), the
+    three started together on every rank and interleaved step by step. ``overlap``: the share of the
+    shorter part hidden, ``(compute + comm - both) / min(compute, comm)`` over rank 0's medians (1: the
+    transfer ran entirely beside the compute; 0: not at all). The step is of ``rows`` sequences, so that
+    it lasts about as long as the transfer and neither hides in the other's noise; ``cpu_compute_s``,
+    its CPU seconds, tells a run other processes slowed (plan_check refuses it, calibrate.undisturbed)."""
+    import torch.multiprocessing as mp
+
+    from zeroray.comm.port import free_port
+
+    add_import_paths()
+    ctx = mp.get_context("spawn")
+    out: Dict[str, Any] = {}
+    for world in worlds:
+        queue, port = ctx.Queue(), free_port()
+        spec = replace(spec_for(model, 1, steps, warmup), batch_per_worker=rows)
+        procs = [ctx.Process(target=_overlap_rank, args=(spec, r, world, port, mb, steps, warmup, queue))
+                 for r in range(world)]
+        for proc in procs:
+            proc.start()
+        times = queue.get(timeout=900)
+        for proc in procs:
+            proc.join()
+        med = {k: statistics.median(v) for k, v in times.items()}
+        overlap = (med["compute"] + med["comm"] - med["both"]) / min(med["compute"], med["comm"])
+        out[str(world)] = {**{f"{k}_all_s": v for k, v in times.items()}, **{f"{k}_s": v for k, v in med.items()},
+                           "overlap": overlap, "mb": mb, "model": model, "load": os.getloadavg(), "at": time.time()}
+        print(f"  {world} ranks on {os.cpu_count()} cores: step {med['compute'] * 1e3:.0f} ms, reduce-scatter of {mb:g} MB "
+              f"{med['comm'] * 1e3:.0f} ms, both at once {med['both'] * 1e3:.0f} ms: overlap {overlap:.2f}", flush=True)
+    return out
+
+
 def tiny_spec(workers: int, steps: int, warmup: int) -> BenchSpec:
     """The overhead rows' model: almost no work, the Ray call and the engine's fixed per-step work."""
     return replace(spec_for("gpt", workers, steps, warmup), d_model=32, n_layers=1, n_heads=1, seq_len=16,
@@ -323,6 +407,8 @@ def measure(models=MODELS, worlds=(2, 3), rounds: int = 2, steps: int = 8, warmu
     result["contended"] = measure_contention(models, steps, warmup)
     print("the floor with more workers than cores ...", flush=True)
     result["oversubscribed"] = measure_oversubscribed(models, worlds, steps, warmup)
+    print("gloo beside the compute ...", flush=True)
+    result["overlap"] = measure_overlap(worlds, steps=steps, warmup=warmup)
     print("the engine's single-process step ...", flush=True)
     result["engine_solo"] = engine_solo(models, warmup=warmup)
     from zr_run import ZeroraySession

@@ -136,6 +136,33 @@ def hf_llama() -> nn.Module:
     return LlamaForCausalLM(llama_config())
 
 
+def hf_glm4_moe() -> nn.Module:
+    """transformers' Glm4MoeForCausalLM: a mixture of experts whose routers (``gate.weight`` and the
+    ``e_score_correction_bias`` buffer) the model keeps in fp32 under every low dtype
+    (``_keep_in_fp32_modules_strict``); the second layer is the MoE one."""
+    _quiet_transformers()
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    return Glm4MoeForCausalLM(Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, moe_intermediate_size=WIDTH // 2,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2, head_dim=WIDTH // HEADS,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+        topk_group=1, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def hf_t5() -> nn.Module:
+    """transformers' T5ForConditionalGeneration (tied embeddings, relative position bias), which
+    keeps its feed-forward ``wo`` in fp32 under fp16 (``_keep_in_fp32_modules``); train it with
+    ``seq2seq_loss``."""
+    _quiet_transformers()
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=VOCAB, d_model=WIDTH, d_kv=WIDTH // HEADS, d_ff=2 * WIDTH, num_layers=LAYERS,
+        num_decoder_layers=LAYERS, num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        eos_token_id=1))
+
+
 def mha_gpt() -> nn.Module:
     return MHAGPT()
 
@@ -155,6 +182,15 @@ def logits_of(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
 def real_loss(model: nn.Module, batch) -> torch.Tensor:
     idx, tgt = batch
     logits = logits_of(model, idx)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1))
+
+
+def seq2seq_loss(model: nn.Module, batch) -> torch.Tensor:
+    """An encoder-decoder's loss on ``real_batches``: the second tensor is the target sequence,
+    fed to the decoder shifted right behind the start token 0 (teacher forcing)."""
+    src, tgt = batch
+    dec = torch.cat([torch.zeros_like(tgt[:, :1]), tgt[:, :-1]], dim=1)
+    logits = model(input_ids=src, decoder_input_ids=dec).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1))
 
 

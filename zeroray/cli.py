@@ -137,13 +137,17 @@ def _estimate(args: argparse.Namespace) -> int:
     precision = "fp32" if args.dtype == "fp32" else f"{args.dtype} mixed precision"
     header = ["workers"] + [f"stage {s}" for s in stages]
     rows = [[str(n)] + [_fmt(memory.estimate_memory(num_params, n, s, args.dtype, args.optimizer,
-                                                    args.grad_dtype) / GB) for s in stages]
+                                                    args.grad_dtype, offload=args.offload) / GB) for s in stages]
             for n in args.workers]
+    where = {None: "", "disk": "; offload=disk: the optimizer state (and in mixed precision or at stage 3 the "
+                               "fp32 master, at stage 3 the parameter shard) in files, three 16 MiB chunks in memory",
+             "cpu": "; offload=cpu, on paper (not built yet): the disk tier's layout in host memory, what stays "
+                    "on the device"}[args.offload]
     print(_table(f"Model states per worker, GB ({source}, {precision}, optimizer {args.optimizer}, "
-                 f"K={k})", header, rows))
+                 f"K={k}{where})", header, rows))
     if args.memory_gb is not None:
         rows = [[str(n)] + [_fmt(memory.max_params_that_fit(args.memory_gb * GB, n, s, args.dtype,
-                                                            args.optimizer, args.grad_dtype) / 1e9)
+                                                            args.optimizer, args.grad_dtype, args.offload) / 1e9)
                             for s in stages] for n in args.workers]
         print()
         print(_table(f"Largest model that fits in {args.memory_gb:g} GB per worker, billions of params "
@@ -225,11 +229,12 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         w = None
     kw = dict(dtype=args.dtype, micro_batch=args.micro_batch, tp=args.tp, checkpointing=not args.no_checkpointing,
-              optimizer=args.optimizer)
+              optimizer=args.optimizer, offload=args.offload)
     if w is None:
         out = {"largest": planner.largest_models(cluster, args.gpus, seq_len=seq or 1024, margin=0.0, **kw),
                "largest_states_only": {str(s): memory.max_params_that_fit(cluster.memory_bytes, args.gpus, s,
-                                                                          args.dtype, args.optimizer)
+                                                                          args.dtype, args.optimizer,
+                                                                          offload=args.offload)
                                        for s in memory.STAGES},
                "gpus": args.gpus, "gpu": cluster.name, "gpu_memory_gb": cluster.memory_bytes / GB}
     else:
@@ -257,6 +262,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="gradient dtype when it differs from --dtype")
     est.add_argument("--optimizer", type=_optimizer, default="adam",
                      help="adam, adamw, sgd, sgd_momentum, or fp32 state values per parameter")
+    est.add_argument("--offload", choices=("disk", "cpu"), default=None,
+                     help="where the optimizer state lives: disk (ZeroConfig(offload='disk')), or cpu (GPU host "
+                          "memory; on paper, not built yet)")
     est.add_argument("--memory-gb", type=_positive_float, default=None,
                      help="also show the largest model whose model states fit in this many GB")
     act = est.add_argument_group("activations (all four of --layers, --hidden, --seq-len, --batch)")
@@ -287,6 +295,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel degree inside a node")
     pl.add_argument("--no-checkpointing", action="store_true", help="no activation checkpointing")
     pl.add_argument("--optimizer", type=_optimizer, default="adam")
+    pl.add_argument("--offload", choices=("disk", "cpu"), default=None,
+                    help="optimizer state on disk (ZeroConfig(offload='disk')) or in GPU host memory (cpu: on "
+                         "paper, not built yet)")
     pl.add_argument("--margin", type=_positive_float, default=0.1, help="memory kept free (default 0.1)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(handler=_plan)

@@ -37,8 +37,13 @@ class ZeroConfig:
     """What is sharded and how the bulk tensors move.
 
     stage: 0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters, or "auto":
-        the Trainer picks the cheapest stage that fits the cluster it finds, with a margin, and
-        logs why ([Note: choosing a stage] in zeroray/plan/planner.py; runtime/auto_stage.py).
+        the Trainer picks the cheapest stage that fits the memory each worker has, with a 20%
+        margin, for the model, its first batch (rows per worker, sequence length), the
+        accumulation and the offload, and logs why; it starts the workers when first given data
+        ([Note: stage from the first batch] in runtime/auto_stage.py).
+    memory_budget: with stage="auto", the bytes per worker training's tensors may take (model
+        states, activations, buffers, logits), the budget the stage is chosen for. None (default):
+        the GPU's memory read from the device, or on CPU workers Ray's free memory shared by them.
     dtype: compute dtype of parameters and gradients; the optimizer keeps an fp32 master shard.
     reduce_dtype: dtype gradients are reduced in (None: fp32).
     bucket_bytes: size of one coalescing bucket (C_B) for gradient reduction and gathers, or
@@ -80,6 +85,12 @@ class ZeroConfig:
         normalisation layers with running statistics (BatchNorm, InstanceNorm with
         track_running_stats) and the modules a Hugging Face model keeps in fp32 keep their
         buffers in fp32 and compute in fp32. See [Note: mixed precision] in zeroray/engine/precision.py.
+    broadcast_buffers: True (default, torch DDP's default): every worker starts each step, each
+        ``evaluate`` call and each ``run`` call with rank 0's buffers (BatchNorm running
+        statistics), one broadcast per call for a model with buffers. False: each worker keeps
+        its own, updated by its own rows (DDP's ``broadcast_buffers=False``); checkpoints, and so
+        restore, resize and recovery, hold rank 0's either way. See [Note: buffers follow DDP]
+        in zeroray/engine/buffer_sync.py.
     offload: where the optimizer state lives between steps ([Note: disk offload] in
         zeroray/offload/stepper.py). None (default): in memory, beside the parameters. "disk": in
         files under ``offload_dir``, one per state tensor (Adam's exp_avg and exp_avg_sq) over this
@@ -128,12 +139,18 @@ class ZeroConfig:
     collective_timeout_s: float = 300.0
     wrap: Any = "auto"
     cast_buffers: Optional[bool] = None
+    broadcast_buffers: bool = True
     offload: Optional[str] = None
     offload_dir: Optional[str] = None
     offload_chunk_bytes: int = 16 * 2**20
+    memory_budget: Optional[float] = None
 
     def __post_init__(self) -> None:
         c = "ZeroConfig"
+        _positive_number(c, "memory_budget", self.memory_budget, allow_none=True)
+        if self.memory_budget is not None and self.stage != "auto":
+            _fail(c, "memory_budget", self.memory_budget, "it is the budget stage='auto' chooses a stage for: set "
+                  "stage='auto', or leave memory_budget None")
         self._validate_offload()
         if self.stage != "auto" and (not isinstance(self.stage, int) or isinstance(self.stage, bool)
                                      or self.stage not in (0, 1, 2, 3)):
@@ -153,7 +170,7 @@ class ZeroConfig:
                 continue  # sized from the model when the engine is built
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 _fail(c, name, value, "it must be a positive number of bytes (an int > 0) or None (sized from the model)")
-        for name in ("prefetch", "offload_activations", "sharded_init"):
+        for name in ("prefetch", "offload_activations", "sharded_init", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "it must be True or False")
         if self.cast_buffers is not None and not isinstance(self.cast_buffers, bool):
@@ -450,3 +467,13 @@ def validate_optimizer(spec: Any) -> None:
             f"optimizer={spec!r} is invalid: pass zr.AdamW(...), zr.Adam(...), zr.SGD(...) or a callable "
             "params -> torch.optim.Optimizer")
 
+
+
+def optimizer_spec_class(name: str) -> Optional[type]:
+    """zeroray's optimizer spec class called ``name`` (``"AdamW"``), None for any other name: a
+    checkpoint records a spec by its class name and fields ([Note: optimizer record] in
+    zeroray/engine/optim_record.py), and restore rebuilds only these classes from it."""
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, _OptimizerSpec) and cls is not _OptimizerSpec:
+        return cls
+    return None

@@ -17,6 +17,8 @@ A case may also evaluate after training (``evaluate``): every worker calls the e
             accumulation: of every micro-batch)
   varshape  one sequence length for all steps of a case
   eval      no case evaluates after training
+  uneven    every global batch divides over workers x micro-batches (else some gain 1 to
+            W*k - 1 rows, copies of their first ones, and split as array_split cuts)
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 from tests.conformance.configs import RunConfig, sample_config, sample_extras, with_rows_at_least
 from tests.conformance.data import make_batches
 from tests.conformance.grammar import FuzzNet, ModelSpec, fuzz_logits, fuzz_loss, sample_model
+from zeroray.engine.batch import split_batch
 
 # The gaps the fuzzer was built to find (issue 24), each fixed since: the feature name, what
 # failed, and what fixed it. ``without`` still leaves a feature out, to hunt for others.
@@ -43,8 +46,10 @@ GAPS = {
     "varshape": ("batches whose row shapes change between steps are refused ('the batch structure changed')",
                  "fixed: checks removed"),
     "eval": ("no evaluation/inference calls on the engine (Engine.evaluate, Engine.run)", "fixed: zeroray/engine/inference.py"),
+    "uneven": ("a global batch whose rows do not divide over the workers x micro-batches is refused ('does not "
+               "split evenly')", "fixed: zeroray/engine/batch.py, [Note: uneven splits]"),
 }
-EXCLUDABLE = ("buffers", "unused", "varshape", "eval")
+EXCLUDABLE = ("buffers", "unused", "varshape", "eval", "uneven")
 
 
 @dataclass
@@ -82,6 +87,9 @@ class Case:
             out.add("unused")
         if self.evaluate:
             out.add("eval")
+        parts = self.config.world * self.config.accum
+        if any(b["idx"].shape[0] % parts for b in self.batches):
+            out.add("uneven")
         return frozenset(out)
 
     def _unused_in_last_micro_batch(self) -> bool:
@@ -90,7 +98,7 @@ class Case:
         if self.config.zero["stage"] not in (0, 1) or accum == 1:
             return False
         for batch in self.batches:
-            parts = batch["route"].chunk(world * accum)
+            parts = [mb for share in split_batch(batch["route"], world) for mb in split_batch(share, accum)]
             for rank in range(world):
                 mine = [set(p.tolist()) for p in parts[rank * accum:(rank + 1) * accum]]
                 if set().union(*mine[:-1]) - mine[-1]:
@@ -125,7 +133,22 @@ def make_case(seed: int, without: FrozenSet[str] = frozenset(), max_world: int =
     case = _with_batches(rng, seed, model, config, padded=padded, varshape=varshape, unused=unused,
                          evaluate=evaluate, agree_first=agree, without=frozenset(without))
     case.config = sample_extras(rng, case.config)
+    # drawn last (adding it changed no earlier draw), and whatever ``without`` says
+    parts = case.config.world * case.config.accum
+    extra = rng.randint(1, parts - 1) if rng.random() < 0.3 and parts > 1 else 0
+    if extra and "uneven" not in without:
+        _add_rows(case, extra)
     return case
+
+
+def _add_rows(case: Case, extra: int) -> None:
+    """Every batch (the evaluation's too) gains ``extra`` rows, copies of its first ones, so that
+    it no longer divides over the workers x micro-batches ([Note: uneven splits] in
+    zeroray/engine/batch.py)."""
+    grow = lambda batch: {k: torch.cat([v, v[:extra]]) for k, v in batch.items()}  # noqa: E731
+    case.batches = [grow(b) for b in case.batches]
+    if case.eval_batch is not None:
+        case.eval_batch = grow(case.eval_batch)
 
 
 def _agree(case: Case, steps: int) -> None:

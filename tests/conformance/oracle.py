@@ -6,18 +6,21 @@ where the case has them). The global batch is cut as zeroray cuts
 it (workers, then micro-batches: part ``rank * accum + micro``) and the step's loss is the
 mean over the parts of ``loss_fn`` on each part: DDP's loss (each worker's mean over its own
 rows, averaged over workers), which is the global loss only for equal-size mean losses; with
-padding, a BatchNorm or data-dependent routing it is not, and the part's is what counts.
+padding, a BatchNorm or data-dependent routing it is not, and the part's is what counts. A
+global batch that does not divide over the parts (case ``uneven``) is cut as ``numpy.array_split``
+cuts, workers first, and the mean is weighted by the parts' rows, ``sum_p n_p / N * loss_p``
+([Note: uneven splits] in zeroray/engine/batch.py).
 Gradients are those of that mean; a parameter no part used keeps ``.grad = None`` and
 AdamW skips it (PyTorch's and DDP's rule). Clipping by the global norm of all gradients.
 
-Buffers are per worker: each worker's forward updates its own (BatchNorm running
-statistics), so the oracle keeps one buffer state per worker, runs each worker's parts
-with that worker's state, and reports worker 0's (what zeroray's rank 0 holds, and what DDP
-broadcasts from rank 0).
+Buffers are per worker within a step: each worker's forward updates its own (BatchNorm
+running statistics), so the oracle keeps one buffer state per worker, runs each worker's parts
+with that worker's state, and reports worker 0's. Every worker starts each step from worker 0's
+buffers, as under DDP's default ``broadcast_buffers`` and zeroray's (tests/dist/test_buffer_broadcast.py).
 
 Evaluation (``case.evaluate``): after training, each worker's share of the eval batch goes
-through ``loss_fn`` and ``fuzz_logits`` in eval mode under ``torch.no_grad()`` (a BatchNorm
-then uses that worker's running statistics; DDP does not broadcast buffers without grad).
+through ``loss_fn`` and ``fuzz_logits`` in eval mode under ``torch.no_grad()``, with worker 0's
+buffers (DDP broadcasts them before an evaluation forward that follows a step).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch
 
 from tests.conformance.case import Case
 from tests.conformance.configs import warmup
-from zeroray.engine.batch import split_batch
+from zeroray.engine.batch import batch_size, split_batch
 
 
 @dataclass
@@ -57,14 +60,23 @@ def reference_run(case: Case) -> Reference:
     out = Reference([], [], {}, [], [n for n, _ in model.named_parameters(remove_duplicate=False)])
     for batch in case.batches:
         opt.zero_grad(set_to_none=True)
-        parts = split_batch(batch, world * accum)
+        parts = [mb for share in split_batch(batch, world) for mb in split_batch(share, accum)]
+        rows = batch_size(batch)
+        even = rows % (world * accum) == 0
         total = 0.0
+        buffers = [buffers[0]] * world  # rank 0's at the start of the step
         for rank in range(world):
             _load_buffers(model, buffers[rank])
             for micro in range(accum):
-                loss = loss_fn(model, parts[rank * accum + micro])
-                (loss / (world * accum)).backward()
-                total += loss.item()
+                part = parts[rank * accum + micro]
+                loss = loss_fn(model, part)
+                if even:
+                    (loss / (world * accum)).backward()
+                    total += loss.item()
+                else:  # weighted by its rows; total stays "times world * accum"
+                    share = batch_size(part) / rows
+                    (loss * share).backward()
+                    total += loss.item() * share * world * accum
             buffers[rank] = _buffers(model)
         _load_buffers(model, buffers[0])
         out.unused.append([n for n, p in named if p.grad is None])
@@ -81,13 +93,13 @@ def reference_run(case: Case) -> Reference:
 
 
 def _evaluate(case: Case, model: torch.nn.Module, buffers: List[Dict[str, torch.Tensor]], out: Reference) -> None:
-    """Each worker's share of the eval batch, in eval mode without gradients, with its own buffers."""
+    """Each worker's share of the eval batch, in eval mode without gradients, with worker 0's buffers."""
     world = case.config.world
     loss_fn, logits_fn = case.loss_fn(), case.logits_fn()
     model.eval()
     with torch.no_grad():
-        for rank, share in enumerate(split_batch(case.eval_batch, world)):
-            _load_buffers(model, buffers[rank])
+        for share in split_batch(case.eval_batch, world):
+            _load_buffers(model, buffers[0])
             out.eval_losses.append(loss_fn(model, share).item())
             out.eval_outputs.append(logits_fn(model, share).detach().clone())
     model.train()

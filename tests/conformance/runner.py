@@ -71,7 +71,7 @@ def _port(rank: int, index: int, out_dir: str) -> int:
 def _run_case(rank: int, case: Case, index: int, out_dir: str) -> dict:
     import zeroray as zr
     from zeroray.comm.group import make_torch_group
-    from zeroray.engine.batch import split_batch
+    from zeroray.engine.batch import batch_size, split_batch
     from zeroray.engine.engine import Engine
 
     world = case.config.world
@@ -85,7 +85,7 @@ def _run_case(rank: int, case: Case, index: int, out_dir: str) -> dict:
                         scheduler=warmup if config.scheduler else None)
         losses, norms, skipped, fetch = [], [], [], {"rounds": 0, "plan_exits": 0}
         for batch in case.batches:
-            stats = engine.train_step(split_batch(batch, world)[rank])
+            stats = engine.train_step(split_batch(batch, world)[rank], global_rows=batch_size(batch))
             losses.append(stats.loss)
             norms.append(stats.grad_norm)
             skipped.append(stats.skipped)
@@ -123,7 +123,8 @@ class RankResults:
 
     @property
     def losses(self) -> List[float]:
-        """The global loss per step: the mean over ranks of each rank's (micro-batch mean) loss."""
+        """The global loss per step: the mean over ranks of each rank's (micro-batch mean) loss,
+        each weighted by its rows where the split is uneven (Engine.train_step)."""
         ranks = self.per_rank
         return [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(len(ranks[0]["losses"]))]
 

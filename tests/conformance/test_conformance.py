@@ -5,10 +5,10 @@ FIXED_SEEDS leave out the known gaps (every feature of case.EXCLUDABLE) and were
 that together they cover every block kind, head, stage x worker count, dtype and ZeroConfig
 knob the fuzzer draws (test_the_fixed_set_covers_the_grammar checks it). GAP_SEEDS exercise
 one gap each that the fuzzer was built to catch (issue 24: buffers in mixed precision, unused
-parameters, variable shapes, evaluation); each failed before its fix and runs in the same
-process set as the fixed ones. ``python benchmarks/fuzz.py --case SEED
+parameters, variable shapes, evaluation; issue 43: uneven splits); each failed before its fix
+and runs in the same process set as the fixed ones. ``python benchmarks/fuzz.py --case SEED
 [--without ...]`` reruns any of them alone (the fixed ones with ``--without
-buffers,eval,unused,varshape``).
+buffers,eval,uneven,unused,varshape``).
 
 Everything runs in one set of 3 processes (start-up dominates); the oracles run here meanwhile.
 """
@@ -35,6 +35,9 @@ GAP_SEEDS = {
     # evaluate/run after training: stage 3 routed on 2 workers, BatchNorm's running statistics,
     # stage 2 on 3 workers
     "eval": [3083, 3027, 3010],
+    # global batches that do not divide over workers x micro-batches: stage 3 routed on 3 workers
+    # with accumulation (16 rows), on 2 workers; stage 1 with accumulation, routed; bf16 stage 2
+    "uneven": [3100, 3083, 3179, 3035],
 }
 SKIPPED_GAPS: dict = {}  # gap -> reason, for a gap found and not yet fixed (none now)
 

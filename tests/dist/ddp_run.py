@@ -1,7 +1,7 @@
 """torch DDP (gloo) training of a harness spec, on one rank: the parity tests' second reference.
 
-A spec with ``"ddp": True`` (tests/dist/harness.py) trains ``model_fn`` under
-``DistributedDataParallel`` on the same global batches as zeroray's runs: each rank's loss is
+``ddp_spec(...)`` is a harness spec (its ``runner``, tests/dist/harness.py) that trains ``model_fn``
+under ``DistributedDataParallel`` in the engine runs' processes, on the same global batches as zeroray's runs: each rank's loss is
 ``loss_fn`` on its equal share of the rows, DDP averages the gradients over the ranks. Its distance
 from single-process PyTorch is what float reordering alone moves a run by: [Note: parity bound]
 in tests/dist/parity.py.
@@ -39,17 +39,24 @@ def fused_adamw(**hyper):
     return functools.partial(torch.optim.AdamW, fused=True, **hyper)
 
 
-def train_ddp(rank: int, world: int, port: int, spec: dict, kept: list) -> dict:
+def ddp_spec(**spec) -> dict:
+    """A harness spec (``run_engines``, beside engine specs) training ``spec`` under torch DDP; its
+    result is ``(rank results, None)``, each rank's ``{"losses", "norms", "state"}``."""
+    return {"runner": train_ddp, **spec}
+
+
+def train_ddp(rank: int, world: int, port: int, spec: dict) -> dict:
     """Train ``spec`` as rank ``rank`` of ``world``; returns ``{"losses", "norms", "state"}``
     (this rank's mean loss per step, the global norm, the state dict after the last step).
-    The DDP module goes into ``kept``: it lives until the rank exits (harness._run_rank says why)."""
+    The DDP module stays referenced from ``spec``, which the harness holds until the rank exits:
+    a gloo group dropped at the wrong time can deadlock (harness._run_rank says why)."""
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         torch.manual_seed(spec.get("seed", 0))
         model = spec["model_fn"]()
         ddp = DistributedDataParallel(model)
-        kept.append(ddp)
+        spec.setdefault("kept", []).append(ddp)
         params = [p for p in model.parameters() if p.requires_grad]
         assert not hasattr(spec["optimizer"], "build"), "a DDP reference takes a torch optimizer, not zeroray's spec"
         opt = spec["optimizer"](params)

@@ -28,7 +28,7 @@ moves as far as zeroray (each run's largest difference over the parameters, prin
 
 So a fixed 1e-5 held on one CPU and not on another, for zeroray and DDP alike. The bound is
 PyTorch's own distance from itself under reordering, measured on the thing checked: where a
-test runs torch DDP on the same batches (``"ddp": True`` specs, tests/dist/ddp_run.py), each
+test runs torch DDP on the same batches (``ddp_spec``, tests/dist/ddp_run.py), each
 step's loss and each parameter tensor may be ``REORDERING`` (2) times as far from
 single-process PyTorch as DDP's is, and never less than the fixed floor (losses 1e-5
 relative, parameters 1e-5 absolute: the bound before, which every tensor whose DDP distance is
@@ -58,6 +58,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 import pytest
+import torch
 
 LOSS_REL = 1e-5     # the floor for losses: relative to single-process PyTorch's
 PARAM_ABS = 1e-5    # the floor for parameters and buffers: absolute
@@ -97,11 +98,16 @@ def param_bound(want, ddp_value) -> Tuple[float, Optional[float]]:
     return max(PARAM_ABS, REORDERING * spread), spread
 
 
+def ddp_state(ddp) -> Dict[str, torch.Tensor]:
+    """The state dict after the last step of a ``ddp_spec`` run (``(rank results, None)``): rank 0's."""
+    return ddp[0][0]["state"]
+
+
 def assert_parity(ref, results, params, ddp=None) -> None:
     """zeroray's run (rank results, consolidated parameters) against single-process PyTorch's
     ``ref`` = (losses, norms, state dict): each step's global loss and every tensor of the
     state dict within [Note: parity bound], the bound scaled by ``ddp``'s distance from ``ref``
-    where given (``(rank results, state dict)`` of a DDP spec on the same batches)."""
+    where given (the ``(rank results, None)`` of a ``ddp_spec`` run on the same batches)."""
     ref_losses, _, ref_state = ref
     ddp_losses = global_losses(ddp[0]) if ddp is not None else [None] * len(ref_losses)
     for step, (a, b, d) in enumerate(zip(global_losses(results), ref_losses, ddp_losses)):
@@ -109,7 +115,7 @@ def assert_parity(ref, results, params, ddp=None) -> None:
     for name, want in ref_state.items():
         got = params[name].reshape(want.shape).to(want.dtype)
         err = (got.double() - want.double()).abs().max().item()
-        within(f"{name}: max abs diff", err, *param_bound(want, ddp[1][name] if ddp is not None else None))
+        within(f"{name}: max abs diff", err, *param_bound(want, ddp_state(ddp)[name] if ddp is not None else None))
     for r in results[1:]:  # every rank computed the same global norm
         assert r["norms"] == pytest.approx(results[0]["norms"], rel=1e-6)
 

@@ -2,8 +2,9 @@
 
 ``Engine.evaluate`` on a model with dropout and BatchNorm (where eval mode changes the result)
 at stages 0-3 on 2 workers must equal single-process PyTorch evaluation on the same weights
-(``model.eval()``, ``torch.no_grad()``; each worker's rows with that worker's BatchNorm
-statistics, which zeroray, like DDP without buffer broadcast, keeps per worker), and must leave
+(``model.eval()``, ``torch.no_grad()``; each worker's rows with rank 0's BatchNorm statistics,
+which every worker holds at the start of the call, as under torch DDP's default
+``broadcast_buffers``: tests/dist/test_buffer_broadcast.py), and must leave
 training exactly as it was: the same random state, no gradient, the same step count, the model
 back in train mode, and the next steps equal (bitwise) to a run without the evaluation, stage 3's
 following the same trace (no negotiated rounds). ``Engine.run`` at stage 3: workers whose ``fn``
@@ -210,21 +211,22 @@ def test_evaluate_equals_single_process_eval_and_leaves_training_alone(runs, sta
     ranks, plain = runs[f"eval{stage}"], runs[f"noeval{stage}"]
     weights = [r["weights"] for r in ranks]
     worst = 0.0
+    rank0 = ranks[0]["buffers"]  # what every worker evaluates with ([Note: buffers follow DDP])
     for rank, result in enumerate(ranks):
-        want = _reference_eval(weights, result["buffers"], rank)
+        want = _reference_eval(weights, rank0, rank)
         for got, ref in zip(result["evals"], want):
             assert set(got) == {"loss", "acc", "max_logit"}
             for key in ref:
                 assert got[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-6), (rank, key)
                 worst = max(worst, abs(got[key] - ref[key]))
-        in_train_mode = _reference_eval(weights, result["buffers"], rank, train_mode=True)
+        in_train_mode = _reference_eval(weights, rank0, rank, train_mode=True)
         assert all(abs(a["loss"] - b["loss"]) > 1e-3 for a, b in zip(want, in_train_mode))  # eval mode matters
         assert result["rng_unchanged"] and result["no_grads"] and result["training_after"]
         assert result["step_count"] == 2
         assert result["seen"] == [(rank, WORLD)]  # zeroray.worker_context() in loss_fn
-        assert all(torch.equal(result["buffers"][k], result["buffers_after"][k]) for k in result["buffers"])
+        assert all(torch.equal(rank0[k], result["buffers_after"][k]) for k in rank0)  # rank 0's, unchanged
     assert not all(torch.equal(ranks[0]["buffers"][k], ranks[1]["buffers"][k]) for k in ranks[0]["buffers"]
-                   if k.endswith("running_mean"))  # each worker's own statistics: the reference used each
+                   if k.endswith("running_mean"))  # each worker's own statistics before the call: rank 0's won
     # Training after the evaluation is exactly training without it.
     for with_eval, without in zip(ranks, plain):
         assert with_eval["losses"] == without["losses"]

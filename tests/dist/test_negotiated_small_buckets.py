@@ -11,7 +11,7 @@ that wait for worker 0 to finish its backward: a deadlock, which ended in a Coll
 after the group's timeout. The same happened when worker 1's ``loss_fn`` raised (it goes
 through the rounds to keep its peers going, [Note: step outcome] in errors.py). Now a worker
 launches those buckets first, while its waits still only answer rounds
-(FetchCoordinator._launch_before_done). Launching them after the worker said it was done
+(UnitFetcher._launch_before_done). Launching them after the worker said it was done
 still deadlocked with 3 workers routing rows to experts (the second test, the fuzzer's
 cases pinned): a wait inside the launch then took the worker into the done-rounds, and the
 buckets after it were never launched.

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import zeroray as zr
-from tests.dist.ddp_run import fused_adamw
+from tests.dist.ddp_run import ddp_spec, fused_adamw
 from tests.dist.harness import run_engine_table
-from tests.dist.parity import assert_parity, global_losses
+from tests.dist.parity import assert_parity, ddp_state, global_losses
 from tests.models import reference_run
 from tests.real_models import FACTORIES, hf_gpt2, real_batches, real_loss
 
@@ -90,8 +90,8 @@ def _ddp_specs(saved, world):
     specs = {}
     for name, stage, kind in _specs(saved, world):
         ref_name, loss = _reference_of(name, kind)
-        specs[("ddp", ref_name, kind == "l2")] = dict(ddp=True, model_fn=models[ref_name], loss_fn=loss,
-                                                      optimizer=fused_adamw(**ADAMW), batches=batches)
+        specs[("ddp", ref_name, kind == "l2")] = ddp_spec(model_fn=models[ref_name], loss_fn=loss,
+                                                          optimizer=fused_adamw(**ADAMW), batches=batches)
     return specs
 
 
@@ -141,8 +141,9 @@ def test_models_we_did_not_write_match_pytorch(saved_gpt2, runs, world):
             raise AssertionError(f"{name} ({kind}), stage {stage}, {world} workers: {e}") from None
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(global_losses(results), ref[0]))
         floats = [k for k, v in ref[2].items() if v.is_floating_point()]
+        pairs = ((params, ref[2]), (ddp_state(ddp), ref[2]), (params, ddp_state(ddp)))
         param_err, ddp_err, apart = (max((x[k].reshape(ref[2][k].shape) - y[k]).abs().max().item() for k in floats)
-                                     for x, y in ((params, ref[2]), (ddp[1], ref[2]), (params, ddp[1])))
+                                     for x, y in pairs)
         table.append(f"{name:16s} {kind:11s} stage {stage}  loss rel {loss_err:.1e}  params abs {param_err:.1e}"
                      f"  (DDP {ddp_err:.1e}, zeroray - DDP {apart:.1e})")
     print(f"\n{world} workers, {STEPS} AdamW steps:\n  " + "\n  ".join(table))

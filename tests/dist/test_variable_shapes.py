@@ -16,9 +16,9 @@ rounds, no plan exits) whatever its length.
 import torch
 
 import zeroray as zr
-from tests.dist.ddp_run import fused_adamw
+from tests.dist.ddp_run import ddp_spec, fused_adamw
 from tests.dist.harness import run_engines
-from tests.dist.parity import assert_parity
+from tests.dist.parity import assert_parity, ddp_state
 from tests.padded_data import hf_loss, padded_batches
 from tests.real_models import hf_gpt2
 from zeroray.engine.batch import split_batch
@@ -56,8 +56,8 @@ def test_changing_sequence_lengths_match_ddp_semantics():
     global_mean_state = reference(batches, parts=1)[2]  # the semantics DDP does not have
     specs = [dict(model_fn=hf_gpt2, loss_fn=hf_loss, optimizer=zr.AdamW(**ADAMW), zero=zr.ZeroConfig(stage=stage),
                   batches=batches) for stage in range(4)]
-    ddp_spec = dict(ddp=True, model_fn=hf_gpt2, loss_fn=hf_loss, optimizer=fused_adamw(**ADAMW), batches=batches)
-    *runs, ddp = run_engines(WORLD, specs + [ddp_spec])
+    ddp_run = ddp_spec(model_fn=hf_gpt2, loss_fn=hf_loss, optimizer=fused_adamw(**ADAMW), batches=batches)
+    *runs, ddp = run_engines(WORLD, specs + [ddp_run])
     for stage, (results, params) in enumerate(runs):
         ref_state_trained = {k: v for k, v in ref_state.items() if k in params}
         assert_parity((ref_losses, None, ref_state_trained), results, params, ddp=ddp)
@@ -66,7 +66,7 @@ def test_changing_sequence_lengths_match_ddp_semantics():
                     for k, v in ref_state_trained.items())
         assert other > 1e-3  # the test tells the two loss semantics apart
         print(f"stage {stage}: max |weight - DDP-semantics oracle| = {diff:.2e} (torch DDP's: "
-              f"{max((ddp[1][k] - v).abs().max().item() for k, v in ref_state_trained.items()):.2e}) "
+              f"{max((ddp_state(ddp)[k] - v).abs().max().item() for k, v in ref_state_trained.items()):.2e}) "
               f"(vs the global token mean's weights: {other:.2e})")
     results, _ = runs[3]
     for rank_result in results:

@@ -1,10 +1,14 @@
-"""End to end: examples/train_gpt.py submitted as a Ray job to a three-node cluster.
+"""End to end: the README's "A job on a Ray cluster" commands, as written: examples/train_gpt.py
+submitted as a Ray job to a three-node cluster.
 
-The cluster is cluster/local-cluster.sh (a head and two worker nodes on this machine,
-token authentication on), started in a temp dir of its own and on free ports, so it
-neither touches nor is touched by another Ray instance here (a test's embedded Ray,
-someone else's cluster). The job runs stage 3 with two workers placed SPREAD, and its
-log must show the two workers on two different nodes.
+The commands are read from the README (tests/readme_commands.py) and run by bash in the
+repository root: ``local-cluster.sh up``, ``eval "$(... env)"`` and ``ray job submit`` in one
+shell, ``down`` at the end. The cluster is cluster/local-cluster.sh (a head and two worker nodes
+on this machine, token authentication on); the test's environment (ZR_CLUSTER_DIR, ports) puts it
+in a temp dir of its own and on free ports, so it neither touches nor is touched by another Ray
+instance here (a test's embedded Ray, someone else's cluster). The job is the README's: the main
+job's defaults (stage 3, 150 steps) with two workers placed SPREAD, and its log must show the two
+workers on two different nodes and the run's last loss.
 
 Everything is driven through subprocesses, never through the Ray client in this
 process: the job client's token and RAY_AUTH_MODE would otherwise leak into the Ray
@@ -12,7 +16,6 @@ state of other tests in the same pytest session.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -21,23 +24,19 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.local_cluster import free_cluster_port
+from tests.readme_commands import ways_to_run, without_comment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO_ROOT / "cluster" / "local-cluster.sh"
 
-# The working dir is zipped and sent to every node. Ray 2.60's client honours .gitignore
-# and skips .git, .venv, venv and __pycache__ by default; older clients do not skip .git.
-EXCLUDES = [".git", ".venv", "venv", "**/__pycache__", ".pytest_cache", ".benchmarks", "ckpts", "runs"]
-TRAIN_ARGS = [
-    "--num-workers", "2", "--steps", "3", "--placement-strategy", "SPREAD", "--stage", "3",
-    "--d-model", "64", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
-]
+# The README's commands: up, eval "$(... env)", ray job submit (the working dir is zipped and sent
+# to every node; Ray 2.60's client also honours .gitignore), down.
+UP, ENV, SUBMIT, DOWN = ways_to_run()["A job on a Ray cluster"]
 # The line examples/train_gpt.py prints per worker: `worker {rank} on node {node_id_hex} ({ip})`.
 WORKER_LINE = re.compile(r"worker (\d+) on node ([0-9a-f]+) \(([^)\s]*)\)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -45,7 +44,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 ALIVE_NODE = re.compile(r"^([0-9a-f]{56}) +\S+ +ALIVE", re.MULTILINE)
 
 UP_TIMEOUT_S = 300  # about 30-60 s on an idle 2-core machine, 3 min when it is loaded
-JOB_TIMEOUT_S = 240
+JOB_TIMEOUT_S = 900  # the main job's 150 steps: about 1-2 min on an idle 2-core machine
 DOWN_TIMEOUT_S = 90
 
 pytestmark = [
@@ -82,6 +81,12 @@ def _cluster(cmd: str, env: dict[str, str], timeout: float) -> subprocess.Comple
         ["bash", str(CLUSTER_SCRIPT), cmd],
         env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
     )
+
+
+def _bash(script: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """README lines, as written, in one bash in the repository root (as a user types them)."""
+    return subprocess.run(["bash", "-c", "set -e\n" + script], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def _ray_cli(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
@@ -129,7 +134,10 @@ def _diagnostics(cluster_dir: str) -> str:
     return "\n".join(out)
 
 
-def test_train_gpt_job_spreads_workers_over_nodes():
+def test_readme_cluster_job_spreads_workers_over_nodes():
+    assert (without_comment(UP), without_comment(DOWN)) == ("bash cluster/local-cluster.sh up",
+                                                            "bash cluster/local-cluster.sh down")
+    assert "ray job submit" in SUBMIT and "local-cluster.sh env" in ENV
     # Short path on purpose: Ray's unix socket paths live under it (107-byte limit).
     cluster_dir = tempfile.mkdtemp(prefix="zr-e2e-", dir="/tmp")
     taken: set[int] = set()
@@ -137,12 +145,11 @@ def test_train_gpt_job_spreads_workers_over_nodes():
     env = _cluster_env(cluster_dir, head_port, dashboard_port)
     client_env = _client_env(env, cluster_dir)
     address = f"http://127.0.0.1:{dashboard_port}"
-    submission_id = f"zr-e2e-{uuid.uuid4().hex[:8]}"
     pgids: list[int] = []
     passed = submitted = False
     started = time.monotonic()
     try:
-        up = _cluster("up", env, timeout=UP_TIMEOUT_S)
+        up = _bash(UP, env, timeout=UP_TIMEOUT_S)
         pgids = _recorded_pgids(cluster_dir)
         assert up.returncode == 0, f"up failed:\n{up.stdout}\n{up.stderr}\n{_diagnostics(cluster_dir)}"
         assert len(pgids) == 3, pgids
@@ -155,39 +162,27 @@ def test_train_gpt_job_spreads_workers_over_nodes():
         assert len(node_ids) == 3, status.stdout
 
         submitted = True
-        submit = _ray_cli(
-            [
-                "job", "submit",
-                "--address", address,
-                "--submission-id", submission_id,
-                "--working-dir", str(REPO_ROOT),
-                "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
-                "--", "python", "examples/train_gpt.py", *TRAIN_ARGS,
-            ],
-            client_env,
-            timeout=JOB_TIMEOUT_S,
-        )
-        job_status = _ray_cli(["job", "status", "--address", address, submission_id], client_env, 60)
-        logs = _ray_cli(["job", "logs", "--address", address, submission_id], client_env, 60)
-        report = (
-            f"submit rc={submit.returncode}\n{submit.stdout[-4000:]}\n{submit.stderr[-4000:]}\n"
-            f"status: {job_status.stdout}{job_status.stderr}\nlogs:\n{logs.stdout[-6000:]}"
-        )
-        assert submit.returncode == 0, report
-        assert "succeeded" in ANSI.sub("", job_status.stdout).lower(), report
+        submit = _bash(f"{ENV}\n{SUBMIT}", env, timeout=JOB_TIMEOUT_S)  # the job's log streams to its stdout
+        log = ANSI.sub("", submit.stdout)
+        report = f"submit rc={submit.returncode}\n{log[-6000:]}\n{submit.stderr[-4000:]}"
+        assert submit.returncode == 0 and re.search(r"Job '\S+' succeeded", log), report
 
-        workers = {int(rank): node for rank, node, _ip in WORKER_LINE.findall(logs.stdout)}
+        workers = {int(rank): node for rank, node, _ip in WORKER_LINE.findall(log)}
         assert set(workers) == {0, 1}, report
         assert workers[0] != workers[1], f"SPREAD put both workers on node {workers[0]}\n{report}"
         assert {workers[0], workers[1]} <= node_ids, (workers, node_ids)
-        print(f"cluster up in {up_s:.0f}s, job done at {time.monotonic() - started:.0f}s")
+        last = re.search(r"steps 1-150: first loss ([\d.]+), last loss \(mean of last 10 steps\) ([\d.]+)", log)
+        assert last and float(last.group(2)) < float(last.group(1)) - 2.0, report  # it trained: 5.5 -> 2.7
+        print(f"cluster up in {up_s:.0f}s, job done at {time.monotonic() - started:.0f}s: {last.group(0)}")
         passed = True
-    except subprocess.TimeoutExpired:
-        if submitted:
-            _ray_cli(["job", "stop", "--address", address, submission_id], client_env, 60)
+    except subprocess.TimeoutExpired as timeout:
+        if submitted:  # the README's submit names no job: find it in what it printed
+            printed = timeout.stdout.decode(errors="replace") if isinstance(timeout.stdout, bytes) else timeout.stdout
+            for job in set(re.findall(r"raysubmit_\w+", printed or "")):
+                _ray_cli(["job", "stop", "--address", address, job], client_env, 60)
         raise
     finally:
-        down = _cluster("down", env, timeout=DOWN_TIMEOUT_S)
+        down = _bash(DOWN, env, timeout=DOWN_TIMEOUT_S)
         pgids = pgids or _recorded_pgids(cluster_dir)
         left = _live_members(pgids, cluster_dir)
         # Do not leave them running for the next test, then fail. Only marked processes

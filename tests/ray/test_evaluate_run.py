@@ -112,8 +112,8 @@ def test_evaluate_a_ray_dataset(trainers, ray_local):
     assert trainer.evaluate(dataset, token_accuracy, batch_size=4) == pytest.approx(want, rel=1e-6)
     with pytest.raises(ValueError, match="needs batch_size="):
         trainer.evaluate(dataset)
-    with pytest.raises(ValueError, match="does not split evenly over 2 worker"):
-        trainer.evaluate([{k: v[:3] for k, v in fixed[0].items()}])
+    with pytest.raises(ValueError, match="batch 0 has 1 rows, fewer than the 2 workers"):
+        trainer.evaluate([{k: v[:1] for k, v in fixed[0].items()}])
 
 
 def _generate(model, ids):

@@ -27,6 +27,7 @@ import torch
 import zeroray as zr
 from tests.models import VOCAB, lm_loss, make_batches, parity_model, reference_run
 from tests.ray.test_shutdown import assert_released, group_ids, live_placement_groups
+from tests.ray.user_dist import check_group, dist_view
 from zeroray.runtime.failures import CollectiveTimeoutError, PlacementError
 
 STEPS = 8
@@ -54,17 +55,18 @@ def fingerprint(idx):
     return hashlib.sha1(idx.contiguous().numpy().tobytes()).hexdigest()
 
 
-def gated_loss(gate_dir, model, batch):
-    """slow_rank_loss, except that the process named in ``gate_dir/gate`` blocks here (mid-step) on
-    the batch named there (its fingerprint), after saying so in ``gate_dir/blocked``, until the test
-    kills it. Naming the batch makes the step deterministic although fit sends the next step early."""
+def gated_loss(gate_dir, model, batch, inner=slow_rank_loss):
+    """``inner`` (slow_rank_loss), except that the process named in ``gate_dir/gate`` blocks here
+    (mid-step) on the batch named there (its fingerprint), after saying so in ``gate_dir/blocked``,
+    until the test kills it. Naming the batch makes the step deterministic although fit sends the
+    next step early."""
     gate = os.path.join(gate_dir, "gate")
     if os.path.exists(gate) and open(gate).read().split() == [str(os.getpid()), fingerprint(batch[0])]:
         with open(os.path.join(gate_dir, "blocked.tmp"), "w") as f:
             f.write(fingerprint(batch[0]))
         os.replace(os.path.join(gate_dir, "blocked.tmp"), os.path.join(gate_dir, "blocked"))
         time.sleep(300)  # the test SIGKILLs this process long before
-    return slow_rank_loss(model, batch)
+    return inner(model, batch)
 
 
 def wait_for(condition, what, timeout_s=120.0):
@@ -120,6 +122,7 @@ def _check_recovered(trainer, data, results, ref_state, old_ids, old_pids, resum
     rec = trainer.recoveries[0]
     assert rec["step"] in resumed_steps, rec  # the last checkpoint before the death
     assert {w["pid"] for w in trainer.workers}.isdisjoint(old_pids)  # a fresh group
+    check_group(trainer.run(dist_view), 2)  # torch.distributed's default group among the new workers
     assert_released(*old_ids)  # the old group's actors and placement group are gone
     sd = trainer.state_dict()
     err = max((sd[k] - v).abs().max().item() for k, v in ref_state.items())

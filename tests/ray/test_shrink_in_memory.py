@@ -1,8 +1,9 @@
 """Shrink in memory ([Note: shrink in memory] in zeroray/runtime/worker_group.py): 3 workers of
 2 CPUs fill a 3-node cluster of 2 CPUs a node; the node of one worker dies inside a step, so
 its replacement cannot be placed. With ``min_workers=2`` the two survivors keep their processes,
-re-form a group of two, load the in-memory snapshot (the lost rank's shard from its buddy's copy
-on another node) and train on, with at most the failed step redone. The losses and final
+re-form a group of two (torch.distributed's default group too), load the in-memory snapshot
+(the lost rank's shard from its buddy's copy on another node) and train on, with at most the
+failed step redone. The losses and final
 weights equal, bitwise, those of an uninterrupted run resized 3 -> 2 at the step of the snapshot.
 
 The cluster is ``ray.cluster_utils.Cluster`` (nodes as processes on this machine, one removable),
@@ -46,6 +47,8 @@ def test_a_lost_node_without_room_shrinks_to_the_survivors_in_memory():
     assert report["steps"] == list(range(1, STEPS + 1)), report
     assert report["losses"] == report["reference_losses"]  # bitwise
     assert report["max_abs_diff"] == 0.0, report
+    # torch.distributed's default group was formed again on the survivors: ranks 0-1 of 2
+    assert report["dist_after"] == [[0, 2, 3.0], [1, 2, 3.0]], report
 
 
 def _main() -> None:
@@ -55,6 +58,7 @@ def _main() -> None:
     import zeroray as zr
     from tests.models import make_batches, parity_model
     from tests.ray.test_faults import KillingData, fingerprint, gated_loss, wait_for
+    from tests.ray.user_dist import dist_view
 
     store = 80 * 1024 * 1024
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": store})
@@ -99,6 +103,7 @@ def _main() -> None:
             rec = {k: v for k, v in run.recoveries[-1].items() if isinstance(v, (int, float, str))}
             kept = survivors == {w["pid"] for w in run.workers}
             state = run.state_dict()
+            dist_after = [(v["rank"], v["world"], v["sum"]) for v in run.run(dist_view)]
         with trainer(0.5) as ref:  # 4 CPUs left: 3 + 2 workers of half a CPU beside each other
             ref_losses = [r.loss for r in ref.fit(batches, num_steps=KILL_AT, progress=False)]
             ref.resize(2)
@@ -107,7 +112,8 @@ def _main() -> None:
         diff = max(float((state[k].float() - ref_state[k].float()).abs().max()) for k in ref_state)
         print(MARKER + json.dumps({"recovery": rec, "survivors_kept": kept, "steps": [r.step for r in results],
                                    "losses": [r.loss for r in results], "reference_losses": ref_losses,
-                                   "max_abs_diff": diff, "same_keys": state.keys() == ref_state.keys()}),
+                                   "max_abs_diff": diff, "same_keys": state.keys() == ref_state.keys(),
+                                   "dist_after": dist_after}),
               flush=True)
     finally:
         ray.shutdown()

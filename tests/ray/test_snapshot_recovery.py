@@ -24,6 +24,7 @@ import zeroray as zr
 from zeroray.memory.model import snapshot_bytes
 from tests.models import lm_loss, make_batches, parity_model
 from tests.ray.test_faults import KillingData, actor_dead, pid_gone, wait_for, fingerprint, gated_loss
+from tests.ray.user_dist import check_group, dist_view
 
 STEPS = 8
 MORE = 4      # the second fit's steps
@@ -103,6 +104,7 @@ def test_sigkill_recovers_from_memory_bitwise(ray_local, tmp_path, stage, spares
         assert rec["mode"] == "replace" and rec["replaced"] == 1 and rec["spares_used"] == spares, rec
         assert trainer.workers[0]["pid"] == survivor  # kept its process
         assert [w["rank"] for w in trainer.workers] == [0, 1]
+        check_group(trainer.run(dist_view), 2)  # torch.distributed's default group formed again, the new worker in it
 
         # What a snapshot costs, where a user reads memory figures: this rank's state shard.
         report = trainer.memory_report()

@@ -32,6 +32,22 @@ def test_estimate_paper_table(capsys):
     assert "K=12" in out and "stage 3" in out
 
 
+def test_estimate_offload(capsys):
+    """--offload disk: the optimizer term (K) leaves memory for the disk tier's three chunks, and at stage 3
+    the parameter shard too; --offload cpu (GPU host memory, on paper) leaves the device the same."""
+    assert main(["estimate", "--params", "7.5e9", "--workers", "64", "--dtype", "fp16", "--offload", "disk"]) == 0
+    out = capsys.readouterr().out
+    chunks = 3 * 16 * 2**20 / 1e9  # three slots, each a 16 MiB chunk over the state's two files and the master's
+    assert "offload=disk" in out
+    assert _rows(out, "Model states")[64] == [f"{2 * 7.5 + 2 * 7.5 + chunks:.1f}", f"{2 * 7.5 + 2 * 7.5 + chunks:.1f}",
+                                              f"{2 * 7.5 + 2 * 7.5 / 64 + chunks:.1f}", "0.285"]
+    assert main(["estimate", "--params", "7.5e9", "--workers", "64", "--dtype", "fp16", "--offload", "cpu"]) == 0
+    cpu = capsys.readouterr().out
+    assert "not built yet" in cpu and _rows(cpu, "Model states")[64] == _rows(out, "Model states")[64]
+    assert main(["plan", "--model", "llama-7b", "--gpus", "8", "--offload", "cpu"]) == 0
+    assert "offload=cpu (on paper: not built yet)" in capsys.readouterr().out
+
+
 def test_estimate_memory_budget_table(capsys):
     assert main(["estimate", "--params", "7.5B", "--workers", "64", "--memory-gb", "32"]) == 0
     rows = _rows(capsys.readouterr().out, "Largest model")

@@ -133,6 +133,8 @@ def test_invalid_optimizer_spec(spec, words):
     (zr.ZeroConfig, dict(prefetch="no"), "prefetch"),
     (zr.ZeroConfig, dict(offload_activations=1), "offload_activations"),
     (zr.ZeroConfig, dict(sharded_init="x"), "sharded_init"),
+    (zr.ZeroConfig, dict(broadcast_buffers="rank0"), "broadcast_buffers"),
+    (zr.ZeroConfig, dict(broadcast_buffers=None), "broadcast_buffers"),
     (zr.ZeroConfig, dict(reuse_distance=True), "reuse_distance"),
     (zr.ZeroConfig, dict(loss_scale_growth_factor=float("inf")), "loss_scale_growth_factor"),
     (zr.AdamW, dict(weight_decay=float("nan")), "weight_decay"),

@@ -240,5 +240,7 @@ def test_offload_to_disk_leaves_the_disk_tiers_buffers():
     assert estimate_memory(phi, nd, 3, "fp32", "sgd", offload="disk") == 4 * phi // nd + 3 * 16 * 2**20
     # a shard smaller than a chunk holds a chunk of its size
     assert estimate_memory(1000, 2, 3, "bf16", offload="disk") == 2 * 500 + 3 * 3 * 4 * 500
-    with pytest.raises(ValueError, match="offload='cpu' is invalid"):
-        estimate_memory(phi, nd, 3, offload="cpu")
+    # "cpu", the GPU host-memory tier (on paper: not built), leaves the device what the disk tier leaves memory
+    assert estimate_memory(phi, nd, 3, offload="cpu") == estimate_memory(phi, nd, 3, offload="disk")
+    with pytest.raises(ValueError, match="offload='nvme' is invalid"):
+        estimate_memory(phi, nd, 3, offload="nvme")

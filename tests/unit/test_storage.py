@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from zeroray.comm.group import CommCounter, Group
-from zeroray.engine.coordination import NullCoordinator
 from zeroray.engine.storage import ReplicatedStorage, ShardedStorage, build_storage
 from zeroray.layout.arena import FlatLayout
 from zeroray.layout.stage import StagePolicy
@@ -21,6 +20,17 @@ class RankOf(Group):
 
     def __init__(self, rank: int) -> None:
         self.rank, self.world_size, self.counter = rank, WORLD, CommCounter()
+
+
+class PublishGathers:
+    """Where the storage starts the gathers that publish an update (stages 1-2: the engine's
+    UpdatePublisher, fetch/publish.py); here it only counts them: nothing is gathered."""
+
+    def __init__(self) -> None:
+        self.started = 0
+
+    def publish(self) -> None:
+        self.started += 1
 
 
 def _model() -> torch.nn.Module:
@@ -95,7 +105,9 @@ def test_publish_casts_the_updated_master_into_the_parameters(stage):
     storage, layout, _ = _storage(stage, 1, torch.bfloat16)
     assert storage.master.dtype == torch.float32 and storage.cast
     storage.master.copy_(torch.linspace(-1, 1, storage.master.numel()))
-    storage.publish(NullCoordinator())  # stages 1-2 would start the gathers here: nothing to gather
+    gathers = PublishGathers()
+    storage.publish(gathers)
+    assert gathers.started == (1 if stage == 1 else 0)  # stages 1-2 start the gathers here; 0 and 3 do not
     compute = storage.param_shard if stage else storage.units.arena
     expected = storage.master.clone().to(torch.bfloat16)
     assert compute.dtype == torch.bfloat16

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional, TextIO
+from typing import List, Optional, TextIO
 
 from zeroray.checkpoint.consolidate import consolidate, parameter_count
 from zeroray.checkpoint.errors import CheckpointError
@@ -23,8 +23,8 @@ def _size(n: int) -> str:
 
 
 def cli_inspect(path: PathLike, out: Optional[TextIO] = None) -> int:
-    """Print step, world size, config, parameter count and the files (with their sizes and
-    whether they are present at the recorded size). Checksums are not computed here."""
+    """Print step, world size, config, parameter count, the optimizer record and the files (with
+    their sizes and whether they are present at the recorded size). Checksums are not computed here."""
     out = out or sys.stdout
     try:
         m = load_manifest(path)
@@ -43,6 +43,8 @@ def cli_inspect(path: PathLike, out: Optional[TextIO] = None) -> int:
     print(f"config: {json.dumps(m.config, sort_keys=True)}", file=out)
     if m.extra:
         print(f"extra: {json.dumps(m.extra, sort_keys=True)}", file=out)
+    for line in _optimizer_lines(m.optimizer):
+        print(line, file=out)
     print("files:", file=out)
     problems = 0
     for e in m.files():
@@ -60,6 +62,33 @@ def cli_inspect(path: PathLike, out: Optional[TextIO] = None) -> int:
               "loaded, use an older one", file=sys.stderr)
         return 1
     return 0
+
+
+def _optimizer_lines(record: Optional[dict]) -> List[str]:
+    """The manifest's optimizer record ([Note: optimizer record] in zeroray/engine/optim_record.py)
+    in a few lines: what was built, from what, each param group (its overrides, how many
+    parameters, the values that moved since it was built) and the scheduler's state."""
+    if record is None:
+        return ["optimizer: not recorded (saved before zeroray recorded the optimizer: restore needs optimizer=)"]
+    spec = record["spec"]
+    made_by = (f"zr.{spec['class']} {json.dumps(spec['fields'], sort_keys=True)}" if spec["kind"] == "zeroray"
+               else spec["name"])
+    lines = [f"optimizer: {record['class']}, built by {made_by}",
+             f"  defaults: {json.dumps(record['defaults'], sort_keys=True)}"
+             + (f" (not recorded: {', '.join(record['unrecorded'])})" if record["unrecorded"] else ""),
+             f"  state keys: {', '.join(record['state_keys']) if record['state_keys'] is not None else 'unknown'}",
+             f"  param groups: {len(record['groups'])}"
+             + (f" (overrides from {record['param_groups']})" if record["param_groups"] else "")]
+    for g in record["groups"]:
+        initial, current = g.get("initial") or {}, g.get("current") or {}
+        moved = {k: v for k, v in current.items() if initial.get(k, None) != v or k not in initial}
+        names = ", ".join(g["params"][:3]) + (f" (+{len(g['params']) - 3} more)" if len(g["params"]) > 3 else "")
+        lines.append(f"    overrides {json.dumps(g['overrides'], sort_keys=True)}: {len(g['params'])} parameter(s) "
+                     f"({names}); now {json.dumps(moved, sort_keys=True)}")
+    sched = record.get("scheduler")
+    if sched is not None:
+        lines.append(f"  scheduler: {sched['class']}: {json.dumps(sched['current'], sort_keys=True)}")
+    return lines
 
 
 def cli_consolidate(path: PathLike, out_file: PathLike, out: Optional[TextIO] = None) -> int:

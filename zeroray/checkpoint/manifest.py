@@ -83,7 +83,8 @@ class FileEntry:
 class ManifestFields:
     """What the driver adds to the writers' ShardInfos to make a manifest (``commit``), checked
     once here: ``layout`` (the FlatLayout of the saved shards, or its ``to_dict()``), ``config``
-    and ``extra`` (JSON-able dicts, kept as copies), ``data_position`` (an int >= 0).
+    and ``extra`` (JSON-able dicts, kept as copies), ``data_position`` (an int >= 0), ``optimizer``
+    (None, or the optimizer record: [Note: optimizer record] in engine/optim_record.py).
 
     ``of`` also takes the mapping form of earlier releases, ``{"layout": ..., "config": ...}``,
     whose optional ``world_size`` must match the layout's."""
@@ -92,6 +93,7 @@ class ManifestFields:
     config: Dict[str, Any] = field(default_factory=dict)
     data_position: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
+    optimizer: Optional[Dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         layout = self.layout
@@ -105,8 +107,10 @@ class ManifestFields:
             raise ValueError(f"manifest field 'layout' must be the FlatLayout of the saved shards, "
                              f"got {type(layout).__name__}")
         object.__setattr__(self, "layout", layout)
-        for name in ("config", "extra"):
+        for name in ("config", "extra", "optimizer"):
             value = getattr(self, name)
+            if value is None and name == "optimizer":
+                continue
             if not isinstance(value, dict):
                 raise ValueError(f"manifest field {name!r} must be a dict, got {type(value).__name__}")
             try:
@@ -160,6 +164,9 @@ class Manifest:
     extra: Dict[str, Any] = field(default_factory=dict)
     extra_tensors: Optional[FileEntry] = None
     extra_keys: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # name -> {"dtype", "shape"}
+    # the optimizer, its param groups and LR scheduler as data; None in a checkpoint from before
+    # zeroray recorded them ([Note: optimizer record] in engine/optim_record.py)
+    optimizer: Optional[Dict[str, Any]] = None
     created: float = field(default_factory=time.time)
     version: int = VERSION
     source: Optional[str] = field(default=None, compare=False)
@@ -195,6 +202,8 @@ class Manifest:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("source", "location")}
         d["shards"] = [asdict(e) for e in self.shards]
         d["extra_tensors"] = asdict(self.extra_tensors) if self.extra_tensors else None
+        if self.optimizer is None:  # a manifest from before the record reads back as it was written
+            del d["optimizer"]
         return {"format": FORMAT, **json.loads(json.dumps(d))}  # a deep copy: the caller may change it
 
     def to_json(self) -> str:
@@ -234,14 +243,16 @@ class Manifest:
         return cls(step=d["step"], world_size=d["world_size"], layout=d["layout"], shards=shards,
                    scalars=d["scalars"], tensors=d["tensors"], config=d["config"],
                    data_position=d["data_position"], extra=d["extra"], extra_tensors=extra_tensors,
-                   extra_keys=d["extra_keys"], created=float(created), version=d["version"], source=source,
-                   location=location)
+                   extra_keys=d["extra_keys"], optimizer=d.get("optimizer"), created=float(created),
+                   version=d["version"], source=source, location=location)
 
     def _check_types(self) -> None:
         for key, types in _JSON_FIELDS:
             value = getattr(self, key)
             if not isinstance(value, types) or isinstance(value, bool):
                 raise _damaged(self.source, f"field {key!r} must be {types.__name__}, got {type(value).__name__}")
+        if self.optimizer is not None and not isinstance(self.optimizer, dict):
+            raise _damaged(self.source, f"field 'optimizer' must be a dict or null, got {type(self.optimizer).__name__}")
         for e in self.files():
             if not isinstance(e, FileEntry):
                 raise _damaged(self.source, f"a file entry is malformed (a {type(e).__name__}, not a FileEntry)")

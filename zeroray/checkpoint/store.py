@@ -151,7 +151,7 @@ def commit(root: PathLike, step: int, manifest_fields: Union[ManifestFields, Map
     """Make ``step`` a complete checkpoint and the latest one; returns its directory (a
     StoragePath when ``root`` is one, else a string).
 
-    ``manifest_fields``: a ManifestFields (layout, config, data_position, extra), or a dict of
+    ``manifest_fields``: a ManifestFields (layout, config, data_position, extra, optimizer), or a dict of
     those names (see ``ManifestFields.of``).
     ``shard_infos``: every rank's ShardInfo and, if one was written, the extra file's.
     ``keep``: after committing, keep only the newest ``keep`` complete checkpoints (None: all).
@@ -184,7 +184,7 @@ def commit(root: PathLike, step: int, manifest_fields: Union[ManifestFields, Map
         config=given.config, data_position=given.data_position, extra=given.extra,
         extra_tensors=FileEntry(extra.file, extra.bytes, extra.sha256) if extra else None,
         extra_keys={k: {"dtype": c, "shape": list(s)} for k, c, s in extra.tensors} if extra else {},
-        source=storage.display(step_dir))
+        optimizer=given.optimizer, source=storage.display(step_dir))
     write_manifest(storage, step_dir, manifest)
     storage.write_bytes(storage.join(root_path, LATEST_NAME), (step_dir_name(step) + "\n").encode())
     _clean_temps(storage, step_dir)

@@ -9,7 +9,7 @@ columns) matrix in a staging buffer, is copied out into each unit's (W, shard_nu
 buffer. Staging buffers are bounded by ``bucket_bytes`` and reused.
 
 A rank may take part in a gather whose result it does not need (its peers do: a negotiated
-step's union, or the rest of a plan it left; see fetch/coordinator.py): a target of ``None`` sends this
+step's union, or the rest of a plan it left; see fetch/unit_fetcher.py): a target of ``None`` sends this
 rank's shard and discards what arrives, into one scratch buffer.
 """
 from __future__ import annotations

@@ -174,7 +174,7 @@ class Group:
     blocks the host until the data arrived (gloo), so a waiter can poll for signals in
     between; on NCCL a wait only orders streams. ``signal``/``signalled`` pass a short string
     to every rank outside the collectives (the rendezvous store): how a rank that leaves the
-    step's plan tells the others (see [Note: plan exit] in fetch/coordinator.py)."""
+    step's plan tells the others (see [Note: plan exit] in fetch/unit_fetcher.py)."""
 
     rank: int
     world_size: int

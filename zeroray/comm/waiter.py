@@ -1,7 +1,7 @@
 """Waiting for a collective while still hearing from the other ranks.
 
 A rank blocked in a wait cannot see that a peer left the step's plan and now waits for it
-in an agreement round (see [Note: plan exit] in fetch/coordinator.py). So every blocking wait of the
+in an agreement round (see [Note: plan exit] in fetch/unit_fetcher.py). So every blocking wait of the
 engine goes through one ``Waiter``: on backends whose waits block the host (gloo) it waits
 in slices of ``interval_s`` and calls ``poll`` between them; ``poll`` may take part in what
 a peer waits for (leave the plan, answer its agreement round) before waiting on. On NCCL a
@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 class Waiter:
     """The engine's one way to wait for a collective. ``poll``: what to do between slices of a
-    blocking wait; the stage-3 coordinator sets it while it exists (fetch/coordinator.py), and
+    blocking wait; the stage-3 coordinator sets it while it exists (fetch/unit_fetcher.py), and
     with none a wait is a plain ``handle.wait()``."""
 
     def __init__(self, blocking_waits: bool, interval_s: float = 0.05) -> None:

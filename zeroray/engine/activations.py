@@ -28,6 +28,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from zeroray.engine.forwards import own_forward, restorer
+from zeroray.fetch.lifecycle import UnitEvents
 
 
 def checkpoint_targets(model: torch.nn.Module, spec: Union[bool, Tuple[type, ...]]) -> list:
@@ -51,7 +52,8 @@ def checkpoint_targets(model: torch.nn.Module, spec: Union[bool, Tuple[type, ...
 
 
 class ActivationTracker:
-    """Counts saved activation bytes and wraps an optional inner pack/unpack (the stage-3 coordinator)."""
+    """Counts saved activation bytes and wraps an optional inner pack/unpack (stage 3's
+    ``UnitEvents``, fetch/lifecycle.py)."""
 
     def __init__(self, is_param_storage: Callable[[int], bool], inner=None) -> None:
         self.is_param_storage, self.inner = is_param_storage, inner
@@ -123,18 +125,18 @@ def apply_checkpointing(targets: Sequence, offload: bool, tracker: Optional[Acti
 
 
 def track_activations(model: torch.nn.Module, units, spec: Union[bool, Tuple[type, ...]], offload: bool,
-                      coordinator=None) -> Tuple[ActivationTracker, Callable[[], None]]:
+                      unit_events: Optional[UnitEvents] = None) -> Tuple[ActivationTracker, Callable[[], None]]:
     """The tracker of the model's saved activations and the checkpointing of ``spec``'s modules
-    (with the function that undoes it). ``coordinator``: stage 3's, which tags saved views of
-    its units (pack/unpack) and fetches a checkpointed module's own units in recomputation;
-    None where every unit persists (units: fetch/unit.py)."""
+    (with the function that undoes it). ``unit_events``: stage 3's coordinator, which tags saved
+    views of its units (pack/unpack) and fetches a checkpointed module's own units in
+    recomputation; None where every unit persists (stages 0-2: nothing of it is installed)."""
     if units.persistent:
         arena_ptr = units.arena.untyped_storage().data_ptr()
         is_param = lambda ptr: ptr == arena_ptr  # noqa: E731
     else:
         is_param = lambda ptr: units.unit_at(ptr) is not None  # noqa: E731
-    tracker = ActivationTracker(is_param, inner=coordinator)
+    tracker = ActivationTracker(is_param, inner=unit_events)
     restore = apply_checkpointing(checkpoint_targets(model, spec), offload, tracker,
-                                  enter=coordinator.enter_module if coordinator else None,
-                                  exit=coordinator.exit_module if coordinator else None)
+                                  enter=unit_events.enter_module if unit_events is not None else None,
+                                  exit=unit_events.exit_module if unit_events is not None else None)
     return tracker, restore

@@ -8,12 +8,16 @@ step never asks which stage it runs:
 - the model and its layout (engine/model_build.py);
 - the storage of the stage family: units, master, gradient, parameter shard and gatherer
   ([Note: stage data flow] in engine/storage.py);
-- the coordinator that gathers and frees units (engine/coordination.py: none at stage 0);
+- the coordinator of the stage, which gathers and frees units (fetch/build.py; at stage 0 it
+  only follows the step's phases);
 - the gradient buckets (comm/buckets.py) fed by the parameters' hooks (engine/grad_intake.py);
-- the flat optimizer over the master (engine/optim.py), activations (engine/activations.py).
+- the flat optimizer over the master (engine/optim.py), activations (engine/activations.py);
+- the buffers' broadcast from rank 0 at the start of each call ([Note: buffers follow DDP] in
+  engine/buffer_sync.py) and SyncBatchNorm's CPU forward ([Note: SyncBatchNorm on CPU] in
+  engine/sync_batchnorm.py).
 
 One step: every micro-batch runs ``loss_fn`` and backward with the coordinator fetching
-units (fetch/coordinator.py) and the buckets reducing gradients; then one status all-reduce carries the
+units (fetch/unit_fetcher.py) and the buckets reducing gradients; then one status all-reduce carries the
 squared gradient norm, every rank's outcome ([Note: step outcome] in errors.py) and which
 parameters each rank produced a gradient for; then the optimizer updates the master, skipping
 the parameters no rank used ([Note: unused parameters] in engine/flat_pieces.py), and the update is
@@ -32,18 +36,20 @@ from zeroray.comm.group import Group
 from zeroray.comm.waiter import Waiter
 from zeroray.config import ZeroConfig, validate_optimizer
 from zeroray.context import with_worker_context
-from zeroray.engine import state, step_status
+from zeroray.engine import state, step_status, sync_batchnorm
 from zeroray.engine.activations import track_activations
-from zeroray.engine.batch import split_batch, to_device
-from zeroray.engine.coordination import build_coordinator
+from zeroray.engine.batch import batch_size, part_weights, split_batch, to_device
+from zeroray.engine.buffer_sync import BufferBroadcast
 from zeroray.engine.grad_intake import GradIntake
 from zeroray.engine.inference import evaluation, run_call
 from zeroray.engine.model_build import build_model, load_saved_weights
 from zeroray.engine.optim import DiskOffload, LossScaler, ShardedOptimizer, build_segments, local_spans
+from zeroray.engine.optim_record import record_part
 from zeroray.engine.precision import MixedPrecision, load_untrained
 from zeroray.engine.step_result import StepStats, check_loss, skips
 from zeroray.engine.storage import build_storage
 from zeroray.errors import CollectiveError, PeerStepError
+from zeroray.fetch.build import build_coordinator
 from zeroray.layout.arena import FlatLayout
 from zeroray.layout.stage import StagePolicy
 
@@ -77,7 +83,10 @@ class Engine:
             load_saved_weights(model_fn, self.model, self.layout, named, kept)
         self.precision = MixedPrecision(self.model, self.dtype, zero.cast_buffers)
         self.precision.cast()
+        # before mixed precision wraps the fp32 modules ([Note: SyncBatchNorm on CPU]): restored after it
+        self._restore_sync_bn = sync_batchnorm.install(self.model, self.device)
         self._restore_precision = self.precision.wrap()  # before checkpointing wraps: restored after it
+        self.sync_buffers = BufferBroadcast(self.model, group, zero.broadcast_buffers)  # [Note: buffers follow DDP]
         self.waiter = Waiter(group.blocking_waits)
         offload = self._offload(zero)
         self.storage = build_storage(policy, self.layout, named, kept, group, dtype=self.dtype, device=self.device,
@@ -92,17 +101,19 @@ class Engine:
                                    unit_order=default_unit_order(self.layout), timed=zero.buckets_planned,
                                    wait=self.waiter)
         # before any user callback (param_groups) may read a parameter
-        self.coordinator = build_coordinator(policy, self.model, self.layout, s, group, self.waiter,
-                                             zero, named, self.reducer)
-        segments = build_segments(local_spans(s.param_spans(), named, param_groups), self.master.numel(),
-                                  breaks=self.master.breaks())
+        self.coordinator, unit_events = build_coordinator(policy, zero, self.model, self.layout, s.units, s.gatherer,
+                                                          group, self.waiter, named, self.reducer)
+        spans = local_spans(s.param_spans(), named, param_groups)
+        # what param_groups gave each local parameter: a checkpoint records it ([Note: optimizer record])
+        self.param_overrides = {name: overrides for name, (_, _, overrides) in zip(s.param_spans(), spans)}
+        self.scheduler_fn = scheduler
+        segments = build_segments(spans, self.master.numel(), breaks=self.master.breaks())
         self.optimizer = ShardedOptimizer(optimizer, self.master, self.grad, segments, zero.max_grad_norm, scheduler,
                                           param_spans=s.param_spans(), offload=offload)
         self.bucket_learning = BucketLearning(self.reducer, zero)
-        self.grads = GradIntake(named, self.layout, self.units, self.reducer, self.coordinator)
+        self.grads = GradIntake(named, self.layout, self.units, self.reducer, unit_events)
         self.activations, self._restore_forwards = track_activations(
-            self.model, self.units, zero.activation_checkpointing, zero.offload_activations,
-            coordinator=self.coordinator if policy.reshard_after_use else None)
+            self.model, self.units, zero.activation_checkpointing, zero.offload_activations, unit_events)
         self.scaler = (LossScaler(zero.initial_loss_scale, zero.loss_scale_growth_factor,
                                   zero.loss_scale_backoff_factor, zero.loss_scale_growth_interval,
                                   zero.min_loss_scale) if zero.dtype == "fp16" else None)
@@ -129,8 +140,15 @@ class Engine:
     # --- one step --------------------------------------------------------------------------
 
     @with_worker_context
-    def train_step(self, batch: Any, before_update: Optional[Callable[[], None]] = None) -> StepStats:
+    def train_step(self, batch: Any, before_update: Optional[Callable[[], None]] = None, *,
+                   global_rows: Optional[int] = None) -> StepStats:
         """One optimizer step on this rank's share of the global batch (collective).
+
+        ``global_rows``: the rows of the whole global batch, whose shares may differ by a row
+        ([Note: uneven splits] in engine/batch.py); None: every rank has as many rows as this
+        one. Micro-batch i's loss is weighted by ``w_i = n_i * W * k / global_rows`` (1.0 for an
+        equal split), and the loss returned is ``sum_i w_i * loss_i / k``: its mean over the
+        ranks is the global batch's row-weighted loss.
 
         ``before_update``: called after forward and backward, before anything that
         ``export_state`` reads changes (the runtime's snapshot copy of the state before this
@@ -138,6 +156,7 @@ class Engine:
         t0 = time.perf_counter()
         k = self.zero.grad_accum_steps
         self.group.counter.reset()
+        self.sync_buffers()
         # One reduction this step, over pieces that cover the gradient: it writes the gradient,
         # scaled, instead of adding into a cleared one ([Note: scaled write] in comm/buckets.py).
         written = self.reducer.covers_target and (k == 1 or not self.policy.reduce_every_micro_batch)
@@ -153,8 +172,11 @@ class Engine:
         done = 0
         try:
             micro = split_batch(to_device(batch, self.device), k, "worker's share of the batch (grad_accum_steps)")
+            rows = [batch_size(mb) for mb in micro]
+            total = sum(rows) * self.world_size if global_rows is None else global_rows
+            weights = part_weights(rows, total, self.world_size * k)
             for i, mb in enumerate(micro):
-                self._micro_batch(i, mb, i == k - 1, scale, losses, coef if written else None)
+                self._micro_batch(i, mb, i == k - 1, scale, weights[i], losses, coef if written else None)
                 done = i + 1
         except CollectiveError:
             raise  # the group is broken: the runtime rebuilds it
@@ -189,8 +211,8 @@ class Engine:
         return StepStats(loss_value, norm, self.step_count, skipped,
                          self.scaler.scale if self.scaler else None, time.perf_counter() - t0)
 
-    def _micro_batch(self, index: int, mb: Any, last: bool, scale: float, losses: List[torch.Tensor],
-                     write_scaled: Optional[float]) -> None:
+    def _micro_batch(self, index: int, mb: Any, last: bool, scale: float, weight: float,
+                     losses: List[torch.Tensor], write_scaled: Optional[float]) -> None:
         reduce_now = self.policy.reduce_every_micro_batch or last
         self.reducer.begin_backward(accepting=reduce_now, write_scaled=write_scaled if reduce_now else None)
         self.units.expect_grads()
@@ -200,6 +222,8 @@ class Engine:
             loss = self.loss_fn(self.model, mb)
         self.activations.end_forward()
         check_loss(loss, self.step_count)
+        if weight != 1.0:  # an uneven part: [Note: uneven splits] in engine/batch.py (1.0 leaves it bitwise)
+            loss = loss.float() * weight
         losses.append(loss.detach())
         self.coordinator.begin_backward()
         (loss.float() * scale if self.scaler else loss).backward()
@@ -214,9 +238,7 @@ class Engine:
         """This rank's code raised in micro-batch ``current``: take part in every collective its
         peers still expect of the step, computing nothing ([Note: step outcome] in errors.py)."""
         for i in range(current, k):
-            if len(self.coordinator.records) <= i:
-                self.coordinator.begin_micro_batch(i)
-            self.coordinator.abort_micro_batch()
+            self.coordinator.abort_micro_batch(i)
             if self.policy.reduce_every_micro_batch or i == k - 1:
                 if i > current:
                     self.reducer.begin_backward(accepting=True)
@@ -271,6 +293,7 @@ class Engine:
     def evaluate(self, batch: Any, metric_fn: Optional[Callable] = None) -> Dict[str, float]:
         """``loss_fn`` (and ``metric_fn``) on this rank's rows, in eval mode without gradients:
         ``{"loss": float, **metrics}`` (collective; trains nothing)."""
+        self.sync_buffers()
         return run_call(self.model, self.coordinator, self.group, self.waiter, self.device,
                         evaluation(self.loss_fn, metric_fn), batch)
 
@@ -278,6 +301,7 @@ class Engine:
     def run(self, fn: Callable, *args: Any) -> Any:
         """``fn(model, *args)`` in eval mode without gradients; its result with every tensor on the
         CPU. Tensors in ``args`` arrive on this rank's device (collective; trains nothing)."""
+        self.sync_buffers()
         return run_call(self.model, self.coordinator, self.group, self.waiter, self.device, fn, *args)
 
     # --- inspection and state: engine/state.py, in the storage's coordinates ----------------
@@ -298,6 +322,13 @@ class Engine:
         returns them, and the update waits until Ray has stored them ([Note: overlapped snapshot
         copy] in runtime/snapshot.py)."""
         return state.export_state(self.storage, self.optimizer, self.step_count, self.scaler, live)
+
+    def optimizer_record(self) -> Dict[str, Any]:
+        """This rank's part of the optimizer record a checkpoint holds ([Note: optimizer record]
+        in engine/optim_record.py): its param groups' values now, and the spec's as built."""
+        opt = self.optimizer
+        return record_part(opt.builder, self.scheduler_fn, opt.groups_by_key(), opt.scheduler, self.param_overrides,
+                           self.device)
 
     def state_layout(self) -> Tuple[FlatLayout, int]:
         """The (layout, rank) whose shard coordinates import_state expects: stage 0 wants everything."""
@@ -330,6 +361,7 @@ class Engine:
         self.coordinator.remove()  # its parameter access too
         self._restore_forwards()
         self._restore_precision()
+        self._restore_sync_bn()
         self.activations.inner = None
         self.optimizer.close()
         self.storage.close()

@@ -2,28 +2,31 @@
 
 A hook records that its parameter was used ([Note: unused parameters] in engine/flat_pieces.py)
 and, when the reducer accepts this backward's gradients, hands the gradient to the coalescing
-buckets (comm/buckets.py) and drops it; once a unit's last gradient is in, the coordinator may
-free the unit (stage 3). Stages 0-1 accumulating over micro-batches leave the gradient to
+buckets (comm/buckets.py) and drops it; once a unit's last gradient is in, stage 3's coordinator
+hears it (``UnitEvents.on_grads_done``, fetch/lifecycle.py) and may free the unit; stages 0-2 have
+no one to tell. Stages 0-1 accumulating over micro-batches leave the gradient to
 autograd until the last micro-batch ([Note: stage data flow] in engine/storage.py).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from zeroray.comm.buckets import GradBuckets
+from zeroray.fetch.lifecycle import UnitEvents
 from zeroray.fetch.unit import Units
 from zeroray.layout.arena import FlatLayout
 
 
 class GradIntake:
-    """The hooks of every trainable parameter, and which of them produced a gradient this step."""
+    """The hooks of every trainable parameter, and which of them produced a gradient this step.
+    ``unit_events``: stage 3's, told when a unit's last gradient is in (None at stages 0-2)."""
 
     def __init__(self, named: Dict[str, torch.nn.Parameter], layout: FlatLayout, units: Units,
-                 reducer: GradBuckets, coordinator) -> None:
-        self.layout, self.units, self.reducer, self.coordinator = layout, units, reducer, coordinator
+                 reducer: GradBuckets, unit_events: Optional[UnitEvents]) -> None:
+        self.layout, self.units, self.reducer, self.unit_events = layout, units, reducer, unit_events
         self.used = dict.fromkeys(layout.param_names, 0.0)
         self._trained = {name: named[name] for name in layout.param_names}
         self._hooks: List = []
@@ -46,8 +49,8 @@ class GradIntake:
             return  # stages 0-1 accumulating: autograd keeps the full gradient until the last micro-batch
         self.reducer.add_grad(name, p.grad)
         p.grad = None
-        if self.units.grad_arrived(unit):
-            self.coordinator.on_grads_done(unit)
+        if self.units.grad_arrived(unit) and self.unit_events is not None:
+            self.unit_events.on_grads_done(unit)
 
     def reduce_accumulated(self) -> None:
         """Stages 0-1, last micro-batch: a parameter used in an earlier micro-batch but not in

@@ -9,16 +9,17 @@ is touched: no gradient, no optimizer state, no step count, no random numbers be
 the user's code draws, and stage 3's trace is not re-recorded (the next step follows the same
 schedule as if the call had not happened).
 
-How each stage provides the parameters during the call (fetch/coordinator.py, ``begin_inference``):
-stage 0 holds them; stages 1-2 wait for the gathers that published the last update
-(PERSISTENT mode); stage 3 negotiates every fetch ([Note: negotiated fetch] in fetch/negotiate.py)
-under a call id of its own. Negotiation, not a trace, because an inference call's ranks need
-not run the same modules the same number of times: ``generate`` stops at a different length
-on each rank, a rank may have nothing to do. A rank that has finished (or raised) keeps
-answering its peers' rounds until every rank is done, so no rank waits on one that left;
-DeepSpeed's ZeRO-3 ``generate`` instead hangs there unless every rank is told to keep
-stepping (``synced_gpus``), its issue #8262. Negotiation costs one small all-gather per fetch
-and no prefetch: fine for evaluation and sampling, which are not the hot loop.
+How each stage provides the parameters during the call (its coordinator's ``begin_inference``;
+fetch/build.py says which coordinator a stage has): stage 0 holds them; stages 1-2 wait for the
+gathers that published the last update (PERSISTENT mode); stage 3 negotiates every fetch
+([Note: negotiated fetch] in fetch/negotiate.py) under a call id of its own. Negotiation, not a
+trace, because an inference call's ranks need not run the same modules the same number of
+times: ``generate`` stops at a different length on each rank, a rank may have nothing to do.
+A rank that has finished (or raised) keeps answering its peers' rounds until every rank is
+done, so no rank waits on one that left; DeepSpeed's ZeRO-3 ``generate`` instead hangs there
+unless every rank is told to keep stepping (``synced_gpus``), its issue #8262. Negotiation
+costs one small all-gather per fetch and no prefetch: fine for evaluation and sampling, which
+are not the hot loop.
 
 Every call then ends in one small all-reduce of who failed (like the step's status,
 [Note: step outcome] in errors.py): every rank returns, or every rank raises (the failing one
@@ -37,9 +38,10 @@ from zeroray.comm.group import Group
 from zeroray.comm.waiter import Waiter
 from zeroray.engine.batch import to_device
 from zeroray.errors import CollectiveError, PeerStepError
+from zeroray.fetch.lifecycle import Coordinator
 
 
-def run_call(model: torch.nn.Module, coordinator, group: Group, waiter: Waiter, device: torch.device,
+def run_call(model: torch.nn.Module, coordinator: Coordinator, group: Group, waiter: Waiter, device: torch.device,
              fn: Callable, *args: Any) -> Any:
     """``fn(model, *args)`` in an inference call, its result on the CPU; every rank returns, or
     every rank raises ([Note: inference calls]). Collective."""
@@ -61,9 +63,9 @@ def run_call(model: torch.nn.Module, coordinator, group: Group, waiter: Waiter, 
 
 
 @contextlib.contextmanager
-def inference_call(model: torch.nn.Module, coordinator) -> Iterator[None]:
+def inference_call(model: torch.nn.Module, coordinator: Coordinator) -> Iterator[None]:
     """The context of an evaluate/run call; see [Note: inference calls]. Collective at stage 3.
-    ``coordinator``: the engine's (engine/coordination.py; stage 0's does nothing)."""
+    ``coordinator``: the engine's (fetch/build.py; stage 0's only moves its phase)."""
     was_training = model.training
     coordinator.begin_inference()
     try:

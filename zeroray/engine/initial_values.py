@@ -1,7 +1,9 @@
 """The initial values of this rank's shard, before the parameters are bound to their units.
 
-Stage 3 and mixed precision at stages 1-2 keep an fp32 master of their own (engine/storage.py,
-[Note: stage data flow]); it starts as this rank's slice of every trainable parameter. A model
+Stage 3 and mixed precision at stages 0-2 keep an fp32 master of their own (engine/storage.py,
+[Note: stage data flow]); it starts as this rank's slice of every trainable parameter (stage 0:
+all of every one, ``initial_full``), in fp32 as the model built it, never read back from the
+compute-dtype copy (that would round the master to the compute dtype before the first step). A model
 built sharded (construct/sharded_init.py) already holds only those slices (``kept``), laid out
 as the shard in one arena that is adopted rather than copied; a model built whole is cut.
 """
@@ -33,6 +35,17 @@ def initial_shard(layout: FlatLayout, named: Dict[str, torch.nn.Parameter], kept
             if values.data_ptr() != piece.data_ptr():
                 piece.copy_(values.float())
     return shard
+
+
+def initial_full(layout: FlatLayout, named: Dict[str, torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+    """The fp32 initial values of every trainable parameter in the full arena's coordinates (1D,
+    zero padding): stage 0's master in mixed precision."""
+    full = torch.zeros(layout.full_numel, dtype=torch.float32, device=device)
+    for name in layout.param_names:
+        slot = layout.slots[name]
+        start = layout.units[slot.unit].full_offset + slot.offset
+        full[start:start + slot.numel].copy_(named[name].detach().reshape(-1).float())
+    return full
 
 
 def adopt_kept_arena(layout: FlatLayout, kept: Dict[str, Tuple[int, int, torch.Tensor]], rank: int,

@@ -21,7 +21,6 @@ The same class serves stage 0, where the "shard" is the whole model.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -29,6 +28,8 @@ import torch
 
 from zeroray.engine.flat_pieces import FlatPieces
 from zeroray.engine.flat_state import FlatState
+from zeroray.engine.optim_record import decode_hyperparameters, group_key, hyperparameters, load_scheduler_state, \
+    scheduler_state
 from zeroray.layout.local_shard import LocalShard
 from zeroray.offload.master import DiskMaster
 from zeroray.offload.stepper import DiskStepper, make_stepper
@@ -51,7 +52,7 @@ class Segment:
 
     @property
     def key(self) -> str:
-        return json.dumps(dict(self.overrides), sort_keys=True, default=str)
+        return group_key(dict(self.overrides))
 
 
 class LossScaleError(RuntimeError):
@@ -136,6 +137,27 @@ def _merge_spans(spans: Sequence[Tuple[int, int, Dict[str, Any]]], total: int) -
     return segments
 
 
+ROW = 256  # elements per row of squared_norm's reduction
+
+
+def squared_norm(flat: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of a 1-D fp32 tensor, as a 0-dim fp64 tensor, to fp32 precision.
+
+    ``torch.linalg.vector_norm`` (and ``torch.dot``) of one long fp32 tensor on the CPU
+    accumulate in fp32 along the tensor and lose digits with its length: on 3.3M elements (the
+    main job's gradient on one worker) 3.6e-4 relative, on 13M 1e-2, where torch's own
+    ``clip_grad_norm_`` takes per-parameter norms and is exact to ~1e-7. Clipping multiplies
+    every gradient by ``max_norm / norm``, so that error went into every clipped update, and
+    differently at each worker count (shards of other lengths). So the norm is taken over rows
+    of ``ROW`` elements (fp32 is exact enough over 256), and the rows' squares are summed in
+    fp64: 5e-8 relative on 13M, no gradient-sized temporary (one value per row), and no slower
+    than the one long reduction."""
+    whole = flat.numel() // ROW * ROW
+    rows = torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1).double().square().sum()
+    rest = torch.linalg.vector_norm(flat[whole:]).double().square()
+    return rows + rest
+
+
 class ShardedOptimizer:
     """An inner torch optimizer over this rank's flat fp32 master, by segments ([Note: flat
     optimizer]), with global-norm clipping and an optional LR scheduler. ``param_spans``: the
@@ -176,6 +198,11 @@ class ShardedOptimizer:
             if on_disk:
                 master.attach(self.disk)  # the initial values move into the master file
 
+    def groups_by_key(self) -> Dict[str, Dict[str, Any]]:
+        """Each torch param group by the key of its overrides (``Segment.key``): what a
+        checkpoint records ([Note: optimizer record] in engine/optim_record.py)."""
+        return {seg.key: g for seg, g in zip(self.segments, self.inner.param_groups)}
+
     @property
     def flat_params(self) -> List[torch.nn.Parameter]:
         """The flat parameters the inner optimizer steps (one per segment until a split)."""
@@ -194,10 +221,9 @@ class ShardedOptimizer:
         return self.inner.state.get(piece.param)
 
     def local_sumsq(self) -> torch.Tensor:
-        """Squared L2 norm of this rank's (already averaged) gradient, a 0-dim fp32 tensor; the
+        """Squared L2 norm of this rank's (already averaged) gradient, a 0-dim fp64 tensor; the
         engine sums it over ranks in the step's status all-reduce."""
-        # vector_norm, not pow(2).sum(): no gradient-sized temporary
-        return torch.linalg.vector_norm(self.grad).square()
+        return squared_norm(self.grad)
 
     def state_tensors(self) -> List[torch.Tensor]:
         """The inner optimizer's state tensors (momentum, variance, ...) in memory, for memory
@@ -295,10 +321,10 @@ class ShardedOptimizer:
                 scalars[f"optim.{k}"] = float(v) if isinstance(v, (torch.Tensor, int, float)) else v
         if self.uneven:
             scalars["optim_per_element"] = per_element
-        scalars["group_lr"] = {seg.key: g["lr"] for seg, g in zip(self.segments, self.inner.param_groups)}
+        # every group's hyperparameters, as torch's state_dict() holds them ([Note: optimizer record])
+        scalars["groups"] = {key: hyperparameters(g) for key, g in self.groups_by_key().items()}
         if self.scheduler is not None:
-            scalars["scheduler"] = {k: v for k, v in self.scheduler.state_dict().items()
-                                    if isinstance(v, (int, float, bool, str))}
+            scalars["scheduler"] = scheduler_state(self.scheduler)
         return tensors, scalars
 
     def import_state(self, tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any]) -> None:
@@ -364,19 +390,17 @@ class ShardedOptimizer:
             if entry:
                 state[index[id(pc.param)]] = entry
         sd["state"] = state
-        lrs = scalars.get("group_lr", {})
+        table = scalars.get("groups")
+        if table is None:  # a checkpoint from before the optimizer record carries each group's lr only
+            table = {key: {"lr": lr} for key, lr in scalars.get("group_lr", {}).items()}
         for seg, g in zip(self.segments, sd["param_groups"]):
-            if seg.key in lrs:
-                g["lr"] = lrs[seg.key]
+            g.update(decode_hyperparameters(table.get(seg.key, {})))
         self.inner.load_state_dict(sd)
         if self.disk is not None:
             self.disk.spill(self.inner, self.pieces.pieces)
         self.uneven = per_element is not None
-        if self.scheduler is not None and "scheduler" in scalars:
-            sd = self.scheduler.state_dict()
-            sd.update(scalars["scheduler"])
-            sd["_last_lr"] = [g["lr"] for g in self.inner.param_groups]
-            self.scheduler.load_state_dict(sd)
+        if self.scheduler is not None and scalars.get("scheduler") is not None:
+            load_scheduler_state(self.scheduler, scalars["scheduler"])
 
     def _probe_stateless_groups(self) -> Dict[str, bool]:
         """The state keys (-> whether per element) of the param groups none of whose pieces has

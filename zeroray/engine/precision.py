@@ -17,8 +17,12 @@ exceptions PyTorch's and Hugging Face's own recipes make:
   inputs are cast to fp32, the module's and its descendants' floating parameters read as fp32
   for the call
   (``p.float()``, a differentiable cast, so the gradient reaches the parameter in its compute
-  dtype and its bucket as any other), and floating outputs are cast back to the dtype of the
-  first floating input (the compute dtype when there is none).
+  dtype and its bucket as any other). A normalisation layer's floating outputs are cast back to
+  the dtype of its first floating input (the compute dtype when there is none), as FSDP's hooks
+  for ``_BatchNorm`` cast them; a Hugging Face fp32 module's are left as it computed them (fp32),
+  as a model loaded by ``from_pretrained(dtype=...)`` runs it, so the model's own code takes them
+  from there as it was written to (T5 adds its fp32 ``wo`` output into the residual stream, which
+  then stays fp32; a MoE router's fp32 weights scale the experts' outputs).
 - Rotary frequency buffers (named ``inv_freq`` or ``original_inv_freq``) stay fp32: rounding
   them to bf16 moves every position's angle.
 
@@ -28,11 +32,14 @@ in its own dtype. The fp32 modules' buffers stay fp32 under all three.
 
 A simplification, deliberately: the trainable parameters of an fp32 module live in their
 unit's compute-dtype buffer like every other (units are single-dtype, layout/arena.py), so the copy
-the forward reads is the fp32 master rounded to the compute dtype once per step, then widened;
-the master and the update keep full precision. FSDP instead stores such modules' parameters
-in fp32. What stays exact is what the recipes are for: statistics accumulated across steps
-(running mean and variance) and the arithmetic inside the kept module (a normalisation's mean
-and variance over the batch) in fp32.
+the forward reads is the fp32 master rounded to the compute dtype once per step, then widened,
+and their gradient passes through the compute dtype on its way to the fp32 bucket; the master
+and the update keep full precision. FSDP and ``from_pretrained`` instead store such modules'
+parameters in fp32. What stays exact is what the recipes are for: statistics accumulated across
+steps (running mean and variance) and the arithmetic inside the kept module (a normalisation's
+mean and variance over the batch) in fp32. Held against PyTorch's recipes
+(tests/dist/test_precision_vs_pytorch.py), this is the one difference left, and it is
+measurable: see README, "Mixed precision".
 
 Hugging Face, as transformers 5 loads a model in a low dtype (read in 5.24; the test against
 its own functions is tests/unit/test_precision.py): ``_keep_in_fp32_modules_strict`` applies
@@ -147,13 +154,15 @@ class MixedPrecision:
         attribute, so module hooks, the stage-3 coordinator's among them, run around it; see
         [Note: fp32 regions]); returns what puts the forwards back."""
         originals, region, seen = [], _Region(), set()
-        for _, root in self.fp32:
+        hf = hf_fp32_module_names(self.model, self.dtype)
+        for name, root in self.fp32:
+            cast_out = name not in hf  # a normalisation layer's outputs go back to the input dtype
             for module in root.modules():
                 if id(module) in seen:  # one module object in two fp32 modules: wrapped once
                     continue
                 seen.add(id(module))
                 originals.append(own_forward(module))
-                module.forward = _fp32_forward(module, module.forward, self.dtype, region)
+                module.forward = _fp32_forward(module, module.forward, self.dtype, region, cast_out)
 
         return restorer(originals)
 
@@ -218,13 +227,17 @@ class _Region:
         self.depth = 0
 
 
-def _fp32_forward(module: torch.nn.Module, original: Callable, compute: torch.dtype, region: _Region) -> Callable:
-    """``original`` run in fp32; see [Note: mixed precision].
+def _fp32_forward(module: torch.nn.Module, original: Callable, compute: torch.dtype, region: _Region,
+                  cast_out: bool) -> Callable:
+    """``original`` run in fp32; see [Note: mixed precision]. ``cast_out``: floating outputs back
+    to the first floating input's dtype (a normalisation layer), else left as computed (a Hugging
+    Face fp32 module).
 
     [Note: fp32 regions]
     The outermost fp32 module's wrapper does the work for its whole subtree: inputs to fp32,
     every floating parameter of the subtree read as fp32 (so an ancestor reading a child's
-    weight directly, as ``nn.MultiheadAttention`` does, reads fp32 too), outputs back. The
+    weight directly, as ``nn.MultiheadAttention`` does, reads fp32 too), outputs back (for a
+    normalisation layer). The
     modules inside it are wrapped as well, and their wrapper does nothing while an outer one
     runs (``region.depth``). It acts when one of them runs on its own: when code outside the
     fp32 module calls it, and when activation checkpointing recomputes it in backward, long
@@ -255,5 +268,7 @@ def _fp32_forward(module: torch.nn.Module, original: Callable, compute: torch.dt
             region.depth -= 1
             for params, name, p in reversed(swapped):
                 params[name] = p
+        if not cast_out:
+            return out
         return _map_tensors(out, lambda t: t.to(out_dtype) if t.is_floating_point() else t)
     return forward

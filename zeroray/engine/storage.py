@@ -46,7 +46,7 @@ import torch
 
 from zeroray.comm.gather import UnitGatherer
 from zeroray.comm.group import Group
-from zeroray.engine.initial_values import Kept, initial_shard
+from zeroray.engine.initial_values import Kept, initial_full, initial_shard
 from zeroray.fetch.unit import Units
 from zeroray.layout.arena import FlatLayout
 from zeroray.layout.local_shard import LocalShard
@@ -66,12 +66,16 @@ class ReplicatedStorage:
     param_shard: Optional[LocalShard] = None
     gatherer: Optional[UnitGatherer] = None
 
-    def __init__(self, layout: FlatLayout, units: Units, rank: int, master_on_disk: bool = False) -> None:
+    def __init__(self, layout: FlatLayout, units: Units, rank: int, init: Optional[torch.Tensor] = None,
+                 master_on_disk: bool = False) -> None:
+        """``init``: in mixed precision, the fp32 initial values in full coordinates (the master's
+        start; the arena holds them rounded to the compute dtype)."""
         self.layout, self.units, self.rank = layout, units, rank
         arena = units.arena
         copy = arena.dtype != torch.float32  # the master is a copy of its own
-        self.master: Master = (DiskMaster(arena.float(), LocalShard.contiguous(arena)) if copy and master_on_disk
-                               else LocalShard.contiguous(arena.float() if copy else arena))  # 1D full fp32
+        assert init is not None or not copy, "mixed precision starts the master from the fp32 values"
+        self.master: Master = (DiskMaster(init, LocalShard.contiguous(arena)) if copy and master_on_disk
+                               else LocalShard.contiguous(init if copy else arena))  # 1D full fp32
         # publishing casts the master into the arena; on disk the step has cast each chunk already
         self.cast = copy and not master_on_disk
         self.grad = torch.zeros(layout.full_numel, dtype=torch.float32, device=arena.device)  # 1D full
@@ -231,11 +235,14 @@ def build_storage(policy: StagePolicy, layout: FlatLayout, named: Dict[str, torc
     disk] in offload/shard.py)."""
     fp32, rank = dtype == torch.float32, group.rank
     # The fp32 initial values of the rank's shard, taken before bind rebinds the parameters:
-    # the master of stage 3 and of mixed precision at stages 1-2. fp32 stages 0-2 need none,
-    # their master is the arena itself or its rows ([Note: local shard] in layout/local_shard.py).
+    # the master of stage 3 and of mixed precision at stages 0-2 (stage 0: all of them, in full
+    # coordinates). fp32 stages 0-2 need none, their master is the arena itself or its rows
+    # ([Note: local shard] in layout/local_shard.py).
     init = None
     if policy.reshard_after_use or (policy.keeps_param_shard and not fp32):
         init = initial_shard(layout, named, kept, rank, device)
+    elif not fp32:
+        init = initial_full(layout, named, device)
     # Stage 3 on CPU: unit buffers are the pool's mappings, off the heap ([Note: unit pool] in
     # memory/unit_pool.py), and the heap is left as at stages 0-2 ([Note: process memory] in
     # memory/process.py); a parameter shard on disk keeps its slices as mappings of their own.
@@ -247,7 +254,7 @@ def build_storage(policy: StagePolicy, layout: FlatLayout, named: Dict[str, torc
     units = Units(layout, dtype, device, persistent=not policy.reshard_after_use, pool=pool)
     units.bind(named, copy_values=kept is None)
     if not policy.keeps_param_shard:
-        return ReplicatedStorage(layout, units, rank, master_on_disk)
+        return ReplicatedStorage(layout, units, rank, init, master_on_disk)
     if not policy.reshard_after_use:  # stages 1-2: the shard is the arena's rows
         param_shard = LocalShard.arena_rows(layout, units.arena, rank)
         master = param_shard if fp32 else LocalShard.contiguous(init)

@@ -8,7 +8,7 @@ ancestor's forward (``nn.MultiheadAttention`` reads ``out_proj.weight`` without 
 trainable parameters a class of its own: an ``nn.Parameter`` subclass, made per engine,
 whose ``__torch_function__`` hands every parameter an op touches to ``on_access`` before the
 op runs, then runs the op as a plain Parameter would (its results are plain tensors). The
-coordinator then gathers the parameter's unit if it is not gathered (fetch/coordinator.py), or, outside a
+coordinator then gathers the parameter's unit if it is not gathered (fetch/unit_fetcher.py), or, outside a
 step, raises ``ParameterAccessError`` naming the parameter, instead of letting the op read
 a freed buffer. Ops that only read metadata (shape, dtype, ``size()``, the ``.grad``
 attribute, hook registration) do not count as reads. Nothing is attached to the tensors:
@@ -19,7 +19,7 @@ is writing into them ([Note: reads during a publish] in fetch/publish.py); stage
 
 Only code that goes through torch's Python API is seen; a C++ extension handed a parameter
 directly is not (it would find its storage empty and fail, never read stale memory).
-Autograd's own reads in backward go through the saved-tensor hooks instead (fetch/coordinator.py).
+Autograd's own reads in backward go through the saved-tensor hooks instead (fetch/unit_fetcher.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The hooked modules a coordinator hears from: forward pre- (and post-) hooks reporting a module's index.
 
 The engine picks the modules (one per unit root, each with the units its forward needs) and
-hands them over as ``HookedModules``; a coordinator (fetch/coordinator.py, fetch/publish.py)
+hands them over as ``HookedModules``; a coordinator (fetch/unit_fetcher.py, fetch/publish.py)
 hooks them with ``ModuleHooks`` and hears ``enter(index)`` before a module runs and, where it
 asks for it, ``exit(index)`` after.
 """

@@ -1,10 +1,12 @@
-"""The stages 1-2 coordinator: publishing the optimizer's update into the resident parameters.
+"""Stages 1-2's coordinator, ``UpdatePublisher``: publishing the optimizer's update into the resident parameters.
 
 At stages 1-2 every unit's full buffer is a slice of the persistent arena (fetch/unit.py) and is
 never freed; after the optimizer step each rank holds the update of its shard only, and the
 all-gathers that publish it to every rank are the only fetches there are. This coordinator
-starts them (``publish``) and waits for each where it is first needed. Stage 3 has a
-coordinator of its own (fetch/coordinator.py); both offer the engine the same methods.
+starts them (``publish``, called by the storage: engine/storage.py) and waits for each where it
+is first needed: in a forward while a micro-batch or an inference call is open (its ``Phase``,
+fetch/lifecycle.py, is not IDLE), and at any read. Stage 3 has a coordinator of its own
+(fetch/unit_fetcher.py); the engine drives both through the same lifecycle.
 
 [Note: deferred publish]
 After the optimizer step the stage 1-2 all-gathers of the updated parameters are only
@@ -26,7 +28,7 @@ it installed throughout.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict
 
 import torch
 
@@ -35,21 +37,21 @@ from zeroray.comm.group import Channel
 from zeroray.comm.waiter import Waiter
 from zeroray.fetch.access import ParameterAccess
 from zeroray.fetch.hooks import HookedModules, ModuleHooks
+from zeroray.fetch.lifecycle import Coordinator, Phase
 from zeroray.fetch.unit import Units, UnitState
 
 
-class PublishCoordinator:
+class UpdatePublisher(Coordinator):
     """Starts the publish gathers and waits for each unit's where it is first needed; see the
     module docstring. ``hooked``: the modules whose forward needs units; ``params``: the
-    trainable parameters (name -> parameter) whose reads it sees while a publish is in flight."""
+    trainable parameters (name -> parameter) whose reads it sees while a publish is in flight.
+    It counts no fetches (``stats`` stays empty): a publish is one gather per unit, every step."""
 
     def __init__(self, units: Units, gatherer: UnitGatherer, waiter: Waiter, hooked: HookedModules,
                  params: Dict[str, torch.nn.Parameter]) -> None:
+        super().__init__()
         self.units, self.gatherer, self.wait = units, gatherer, waiter
         self.module_needs = list(hooked.needs)
-        self.records: List[int] = []  # the micro-batches begun this step (the engine's abort counts them)
-        self.stats: dict = {}         # no fetch counters: a publish is one gather per unit, every step
-        self.active = False           # in a micro-batch or an inference call: forwards wait for their units
         self._publishing = 0          # units whose publish gather was not waited for yet
         self._hooks = ModuleHooks(hooked, self.enter)
         self.access = ParameterAccess(params, {n: units.layout.slots[n].unit for n in params}, self.on_access)
@@ -87,8 +89,9 @@ class PublishCoordinator:
     # --- events -------------------------------------------------------------------------------
 
     def enter(self, index: int) -> None:
-        """A hooked module is about to run: wait for its units' gathers."""
-        if self.active:
+        """A hooked module is about to run: in a micro-batch or an inference call, wait for its
+        units' gathers (outside one, its reads still wait: ``on_access``)."""
+        if self.phase is not Phase.IDLE:
             for u in self.module_needs[index]:
                 self._wait_resident(u)
             self.gatherer.release_idle()  # the publish's staging, once its last gather is waited for
@@ -99,65 +102,23 @@ class PublishCoordinator:
         if self.units[unit].state is UnitState.GATHERING:
             self._wait_resident(unit)
 
-    def enter_module(self, module: torch.nn.Module) -> bool:
-        """Recomputation under activation checkpointing needs nothing: the forward waited for
-        every unit the module needs, and none is freed."""
-        return False
-
-    def exit_module(self, module: torch.nn.Module) -> None:
-        pass
-
-    def on_grads_done(self, unit: int) -> None:
-        """Nothing to free: the units are resident."""
-
-    def pack(self, t: torch.Tensor):
-        return t
-
-    def unpack(self, obj):
-        return obj
-
-    # --- step lifecycle (called by the engine) ------------------------------------------------
-
-    def begin_step(self) -> None:
-        self.records = []
-
-    def begin_micro_batch(self, micro_batch: int) -> None:
-        self.records.append(micro_batch)
-        self.active = True
-
-    def begin_backward(self) -> None:
-        pass
-
-    def finish_backward(self) -> None:
-        pass
-
-    def abort_micro_batch(self) -> None:
-        """Nothing to take part in: the publish gathers were all issued at the last step's end."""
+    # --- the lifecycle's calls it acts on (called by the engine; the rest only move the phase) ---
+    # Checkpointed recomputation needs nothing: the forward waited for every unit a module
+    # needs, and none is freed. An aborted micro-batch takes part in nothing: the publish
+    # gathers were all issued at the last step's end.
 
     def end_micro_batch(self) -> None:
         """After the micro-batch's reductions: every publish gather finished."""
+        super().end_micro_batch()
         self._wait_all()
 
-    def status(self) -> Tuple[float, float, float]:
-        """(left the plan, events, digest) for the step's status all-reduce: no plan, no trace."""
-        return 0.0, 0.0, 0.0
-
-    def end_step(self, failed: bool, any_exit: bool, agreed: bool) -> None:
-        self.active = False
-
-    def begin_inference(self) -> None:
-        """Before ``evaluate``/``run`` computes: forwards wait for the published gathers where
-        needed ([Note: inference calls] in engine/inference.py)."""
-        self.records = [0]
-        self.active = True
-
     def end_inference(self) -> None:
-        """After ``evaluate``/``run`` computed (or raised): every publish gather finished."""
+        """After ``evaluate``/``run`` computed (or raised): every publish gather finished
+        ([Note: inference calls] in engine/inference.py)."""
         try:
             self._wait_all()
         finally:
-            self.active = False
-            self.records = []
+            super().end_inference()
 
     def remove(self) -> None:
         """Unhook the modules and give the parameters their plain class back."""

@@ -21,7 +21,7 @@ events or inside the prefetch window: the prefetcher would gather them again at 
 schedule depends on nothing but the trace and the configuration, so every rank issues the
 same gathers in the same order ([Note: collective order] in group.py), and the list of a
 micro-batch's gathers is known in advance, which is what lets a rank that leaves it still
-issue the rest (see [Note: plan exit] in fetch/coordinator.py). ``Holds`` follows which module
+issue the rest (see [Note: plan exit] in fetch/unit_fetcher.py). ``Holds`` follows which module
 holds which unit, for the schedule and for a step that negotiates alike.
 """
 from __future__ import annotations
@@ -162,7 +162,7 @@ class Holds:
 
     A ``FORWARD`` pushes its module with the units it needs; an ``ACCESS`` while a module runs
     adds the unit to the innermost one; that module's ``END`` drops them. ``Schedule.build``
-    and the stage-3 coordinator (fetch/coordinator.py) both account for events through this, so
+    and the stage-3 coordinator (fetch/unit_fetcher.py) both account for events through this, so
     the schedule's frees and a negotiated step's agree on when a unit is held by nobody."""
 
     def __init__(self) -> None:

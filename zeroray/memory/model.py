@@ -222,12 +222,16 @@ def estimate_memory(num_params: Union[int, float], num_workers: int, stage: int,
     ``offload="disk"``: the optimizer term (K: the state and, in mixed precision, the fp32
     master) is in files; memory holds the disk tier's buffers, :func:`offload_buffer_bytes` of
     ``offload_chunk_bytes`` chunks, instead; at stage 3 the parameter shard (P·Φ/W) is in a
-    file too, and the master with it in fp32 ([Note: parameter shard on disk] in offload/shard.py)."""
-    if offload not in (None, "disk"):
-        raise ValueError(f"offload={offload!r} is invalid: choose None (the optimizer state in memory) or 'disk'")
+    file too, and the master with it in fp32 ([Note: parameter shard on disk] in offload/shard.py).
+    ``offload="cpu"``: the host-memory tier of GPU workers, which the engine does not have yet
+    (``ZeroConfig`` refuses it), on paper: the same layout in host memory instead of files, so the
+    device holds what the disk tier leaves in memory."""
+    if offload not in (None, "disk", "cpu"):
+        raise ValueError(f"offload={offload!r} is invalid: choose None (the optimizer state in memory), 'disk' "
+                         "or 'cpu' (host memory, on paper)")
     held = model_state_bytes(num_params, num_workers, stage, dtype, optimizer, grad_dtype)
     total = held.total
-    if offload == "disk":
+    if offload is not None:
         total += offloaded_optimizer_bytes(held, dtype, optimizer, offload_chunk_bytes, stage) - held.optimizer
         if stage == 3:
             total -= held.params
@@ -250,7 +254,7 @@ def snapshot_bytes(num_params: Union[int, float], num_workers: int, optimizer: O
 
 def max_params_that_fit(memory_bytes: Union[int, float], num_workers: int, stage: int,
                         dtype: str = "fp16", optimizer: OptimizerLike = "adam",
-                        grad_dtype: Optional[str] = None) -> int:
+                        grad_dtype: Optional[str] = None, offload: Optional[str] = None) -> int:
     """The largest Φ whose model states fit in ``memory_bytes`` per worker (activations and
     buffers not included), i.e. the inverse of :func:`estimate_memory`."""
     if not _is_number(memory_bytes) or memory_bytes < 0:
@@ -258,7 +262,7 @@ def max_params_that_fit(memory_bytes: Union[int, float], num_workers: int, stage
     budget = int(memory_bytes)
 
     def fits(n: int) -> bool:
-        return estimate_memory(n, num_workers, stage, dtype, optimizer, grad_dtype) <= budget
+        return estimate_memory(n, num_workers, stage, dtype, optimizer, grad_dtype, offload=offload) <= budget
 
     fits(0)  # validates the other arguments before searching
     # Bytes grow monotonically with Φ but by ceil(Φ/Nd) steps, so search instead of dividing.

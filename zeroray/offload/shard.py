@@ -10,7 +10,7 @@ it: a range ``shard[a:b]`` (or ``read(a, b)``, across units) as a tensor in memo
 
 Read-ahead: the trace that schedules the gathers ([Note: fetch trace] in fetch/trace.py) says
 which units the step gathers next, so the coordinator asks for their slices before it issues
-them (``prefetch``; ``FetchCoordinator._read_ahead`` says how far): each read runs on the
+them (``prefetch``; ``UnitFetcher._read_ahead`` says how far): each read runs on the
 tier's thread pool into a buffer of its own, and the gather that sends it takes the buffer
 (waiting, if the read has not ended: the figures' I/O wait). A range never asked for ahead
 (a negotiated fetch, the first step, an inference call) is read when the gather sends it.

@@ -69,17 +69,16 @@ def contended_figures(together_s: float, alone_s: float, slowest_s: float, copie
                       ) -> Tuple[float, float]:
     """(contention, straggler) of ``copies`` one-thread copies of a step started together on
     ``cores`` cores: the together/alone ratio over the ideal share ``copies / cores`` that the
-    replay already holds (``Cluster.core_share``), and the slowest copy over the median one (at
-    least 1: ``Cluster.straggler``). The contention is at least 1 too: copies that run together on
-    their share of the cores share caches, memory bandwidth and clock boost, and add to none of
-    them, so they cannot run faster than one copy alone holding a whole core; a ratio under 1 says
-    the alone copy's moments were the disturbed ones (another process held its core), not that
-    sharing helped."""
+    replay already holds (``Cluster.core_share``), as measured (under 1 too: nothing measured
+    says when that is the alone half's disturbance rather than the copies' own pace), and the
+    slowest copy over the median one (at least 1: ``Cluster.straggler``; the slowest of a step's
+    copies is never faster than the step's others, so only the quantiles' interpolation can
+    bring it under 1)."""
     if min(together_s, alone_s, slowest_s) <= 0 or copies < 1 or cores <= 0:
         raise ValueError(f"contended floor times {together_s}, {alone_s}, {slowest_s} s with {copies} copies on "
                          f"{cores} cores: every time and count must be positive")
     share = max(1.0, copies / cores)
-    return max(1.0, together_s / alone_s / share), max(1.0, slowest_s / together_s)
+    return together_s / alone_s / share, max(1.0, slowest_s / together_s)
 
 
 def undisturbed(wall_s: float, cpu_s: float, copies: int, cores: float) -> bool:

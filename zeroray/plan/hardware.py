@@ -17,8 +17,12 @@ published single-GPU 39 TFLOP/s (30% of 125) at a large batch.
 
 CPU workers (``cores`` > 0) share the node's cores: with one thread each, ``W`` workers on ``C < W``
 cores each get ``C / W`` of a core for everything they compute, copy or launch (``core_share``);
-with ``W >= C`` no core is left for communication, and a collective's time, gloo's α–β measured
-at that world size on the same cores, adds to the step instead of overlapping it (``saturated``).
+with ``W >= C`` (``saturated``) gloo's copies need the cores the compute holds, so a collective's
+time, gloo's α–β measured at that world size on the same cores, is hidden beside the compute only
+in the share ``busy_overlap`` and adds to the step for the rest. That share is measured
+(benchmarks/plan_measure.py's ``overlap``: the plain step, a reduce-scatter, and both at once on
+every rank); a cluster without the measurement takes 1, the overlap every other cluster has (the
+rule that it is less was added while rows were out of bounds, so it stands only measured).
 The ``cpu`` preset's figures are placeholders of this class of machine: calibrate.py's
 ``cpu_cluster`` builds a machine's from what benchmarks/plan_measure.py measured on it (the
 engine's single-process step, the flat AdamW step, gloo's α–β, the step's copies run together, and
@@ -38,7 +42,7 @@ pay it.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 GB = 1e9
 
@@ -61,14 +65,22 @@ class Cluster:
     cores: float = 0.0           # CPU cores a node's workers share (CPU workers); 0: a device per worker
     step_overhead_s: float = 0.0  # host seconds per step outside the replay (runtime call, status), measured
     straggler: float = 1.0       # the slowest rank's compute over a typical rank's, measured (>= 1)
+    context_bytes: float = 1e9   # taken before training: the CUDA context and workspaces ([Note: peak memory])
+    host_bw: float = 50e9        # bytes/s each way between a GPU and host memory (offload="cpu", on paper)
+    disk_bw: float = 2e9         # bytes/s of a worker's disk tier, reads and writes together (offload="disk")
+    busy_overlap: float = 1.0    # CPU workers with every core busy: the share of a collective hidden beside compute
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node",):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r} is invalid: it must be an integer >= 1")
-        for name in ("memory_bytes", "peak_flops", "achieved", "intra_bw", "inter_bw", "hbm_bw"):
+        for name in ("memory_bytes", "peak_flops", "achieved", "intra_bw", "inter_bw", "hbm_bw", "host_bw", "disk_bw"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r} is invalid: it must be > 0")
+        if not self.context_bytes >= 0:
+            raise ValueError(f"Cluster.context_bytes={self.context_bytes!r} is invalid: it must be >= 0")
+        if not 0.0 <= self.busy_overlap <= 1.0:
+            raise ValueError(f"Cluster.busy_overlap={self.busy_overlap!r} is invalid: it is a share, between 0 and 1")
         if not self.straggler >= 1.0:
             raise ValueError(f"Cluster.straggler={self.straggler!r} is invalid: it is the slowest rank's compute "
                              "time over a typical rank's, at least 1 (1: ranks that run alike)")
@@ -98,13 +110,36 @@ GPU_PRESETS: Dict[str, Cluster] = {
     "h100": Cluster("h100", 8, 80 * GB, 989e12, 0.495, 512, 360 * GB, 8e-6, 320 * GB, 20e-6, 63e-6, 3.35e12 * 0.8),
     # H200: the H100's SMs with 141 GB of faster HBM.
     "h200": Cluster("h200", 8, 141 * GB, 989e12, 0.495, 512, 360 * GB, 8e-6, 320 * GB, 20e-6, 63e-6, 4.8e12 * 0.8),
-    # DGX-2 as in the ZeRO paper: 16 x V100 32 GB on NVSwitch, 800 Gb/s between nodes.
+    # DGX-2 as in the ZeRO paper: 16 x V100 32 GB on NVSwitch, 800 Gb/s between nodes; PCIe 3 to the host.
     "v100-32gb": Cluster("v100-32gb", 16, 32 * GB, 125e12, 0.32, 512, 120 * GB, 10e-6, 80 * GB, 30e-6, 30e-6,
-                         0.9e12 * 0.8, fp32_ratio=0.125),
-    # A CPU worker over gloo (numbers of this class of machine; calibrate with benchmarks/plan_check.py).
+                         0.9e12 * 0.8, fp32_ratio=0.125, host_bw=12 * GB),
+    # A GPU whose name matches no preset ([Note: unknown GPU]): its memory is read from the device; its
+    # speed is assumed low and its links PCIe-class, so that communication weighs heavily.
+    "unknown-gpu": Cluster("unknown-gpu", 8, 16 * GB, 100e12, 0.4, 512, 20 * GB, 10e-6, 10 * GB, 30e-6, 63e-6,
+                           1.0e12 * 0.8, host_bw=12 * GB),
+    # A CPU worker over gloo (numbers of this class of machine; calibrate with benchmarks/plan_check.py). Its
+    # context is the worker process's baseline: Python, torch and Ray, about 0.32 GB measured by fits.py
+    # (benchmarks/README.md, "The largest model that fits").
     "cpu": Cluster("cpu", 1, 8 * GB, 50e9, 1.0, 1, 1 * GB, 50e-6, 1 * GB, 50e-6, 100e-6, 10 * GB, fp32_ratio=1.0,
-                   cores=1.0),
+                   cores=1.0, context_bytes=0.32 * GB, disk_bw=4 * GB),
 }
+
+
+# [Note: unknown GPU]
+# stage="auto" reads a GPU's memory from the device and takes its speed from a preset only when the
+# device's name says it is that GPU: an H100 in its SXM form (the PCIe and NVL forms are slower and
+# their names say so), an H200, or a V100 (the preset's speed, with the device's own memory: a 16 GB
+# V100 is not taken for the 32 GB one). Anything else gets "unknown-gpu": a modest peak and
+# PCIe-class links, under which a stage that communicates more must gain more to be chosen, so the
+# choice leans to the lower, simpler stage; memory is exact either way. The log says which.
+NAME_PRESETS = ((("H200",), "h200"), (("H100", "HBM3"), "h100"), (("H100", "SXM"), "h100"), (("V100",), "v100-32gb"))
+
+
+def preset_for_device(name: str) -> Optional[str]:
+    """The preset whose speed a GPU called ``name`` (``torch.cuda.get_device_properties(i).name``) has,
+    or None; see [Note: unknown GPU]."""
+    upper = name.upper()
+    return next((preset for words, preset in NAME_PRESETS if all(w in upper for w in words)), None)
 
 
 def cluster_preset(name: str, **changes: Any) -> Cluster:

@@ -25,14 +25,28 @@ it needs. What each stage issues is the engine's:
 
 Workers that share CPU cores (``Cluster.cores``: the CPU preset) share them: compute, copies, the
 optimizer and launches of each run ``core_share`` times slower when a node has more workers than
-cores, and when they have every core busy (``saturated``) a collective does not overlap the
-compute: gloo over loopback TCP moves its bytes with the same cores' copies, so the compute
-stream waits for it ([Note: hardware presets]). With more than one rank, the compute runs at the
+cores, and when they have every core busy (``saturated``) a collective overlaps the compute only
+in the measured share ``Cluster.busy_overlap``: gloo over loopback TCP moves its bytes with the
+same cores' copies, so the compute stream waits for the rest ([Note: hardware presets]). With more than one rank, the compute runs at the
 slowest rank's pace (``Cluster.straggler``): the ranks meet at every collective.
 
 Backward costs twice the forward plus the recomputed share of it (``recompute``: 1 with
 activation checkpointing, 0 without; a selective policy recomputes a part, e.g. torchtitan's
 every-second-matmul).
+
+[Note: offload on paper]
+``offload`` is ``ZeroConfig.offload``. "disk" is the engine's disk tier ([Note: disk offload] in
+offload/stepper.py): the optimizer state, and in mixed precision or at stage 3 the fp32 master (at
+stage 3 the parameter shard too), are in files; memory holds three chunks of them
+(memory/model.py's ``held_state_bytes``), and every step reads and writes each file's part of the
+shard once, overlapped with the stepping, so the optimizer takes the longer of its own pass and
+that I/O at the cluster's ``disk_bw``. "cpu" is the host-memory tier of a GPU worker, which the
+engine does not have yet (``ZeroConfig`` refuses it): the plan predicts it on paper as the disk
+tier's layout in host memory, its I/O over the host link (``host_bw`` each way, reads and
+writes at once). Neither time is checked against a measurement (benchmarks/plan_check.py checks
+the disk tier's memory against fits.py's largest models); the stage-3 shard's reads ahead of
+the gathers are taken as hidden behind compute, as the engine's measured 85-95% of them are
+(benchmarks/README.md).
 
 Tensor parallelism (``tp``, Megatron inside a node, for the paper's ZeRO-100B runs) divides a
 block's FLOPs and parameters by ``tp`` and adds two activation all-reduces per block in forward,
@@ -45,13 +59,15 @@ from typing import Dict, List, Optional, Tuple
 
 from zeroray.comm import bucket_plan
 from zeroray.fetch.trace import EventKind, Schedule
-from zeroray.memory.model import DTYPE_BYTES, optimizer_state_bytes_per_param
+from zeroray.memory.model import DTYPE_BYTES, offload_files, optimizer_state_bytes_per_param
 from zeroray.plan.costs import dp_ring, tp_ring
 from zeroray.plan.footprint import peak_memory
 from zeroray.plan.hardware import Cluster
 from zeroray.plan.workload import Workload
 
 MiB = 2**20
+OFFLOAD_TIERS = (None, "disk", "cpu")
+STATES = ("zeroray", "paper", "megatron")
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,9 @@ class RunConfig:
     optimizer: str = "adam"
     reduce_dtype: str = "fp32"    # the dtype gradients are bucketed and reduced in (the engine's default: fp32)
     recompute: Optional[float] = None  # share of the forward recomputed in backward; None: 1 with checkpointing
+    offload: Optional[str] = None  # ZeroConfig.offload: None, "disk", or "cpu" (on paper: [Note: offload on paper])
+    offload_chunk_bytes: int = 16 * MiB  # ZeroConfig.offload_chunk_bytes
+    states: str = "zeroray"       # model states as held by: zeroray's engine, "paper" or "megatron" ([Note: peak memory])
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -77,6 +96,12 @@ class RunConfig:
         for name in ("dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: choose one of {tuple(DTYPE_BYTES)}")
+        if self.offload not in OFFLOAD_TIERS:
+            raise ValueError(f"offload={self.offload!r} is invalid: choose None, 'disk' or 'cpu'")
+        if self.states not in STATES:
+            raise ValueError(f"states={self.states!r} is invalid: 'zeroray' (the engine's fp32 gradient, a shard from "
+                             "stage 1), 'paper' (Table 1's formula: a 16-bit gradient, full at stages 0-1) or "
+                             "'megatron' (the paper's baseline: Table 1's plus an fp32 gradient of the fp32 master)")
         if self.recompute is not None and not 0.0 <= self.recompute <= 1.0:
             raise ValueError(f"recompute={self.recompute!r} is invalid: it is the share of the forward recomputed in "
                              "backward, between 0 and 1 (or None: 1 with checkpointing, 0 without)")
@@ -107,7 +132,7 @@ class StepReport:
 
 def window_bytes(w: Workload, cfg: RunConfig) -> int:
     """The stage-3 prefetch window in bytes: ``prefetch_bytes``, or the engine's default
-    (fetch/coordinator.py): the largest unit, never less than one coalescing bucket."""
+    (fetch/unit_fetcher.py): the largest unit, never less than one coalescing bucket."""
     if cfg.prefetch_bytes is not None:
         return cfg.prefetch_bytes
     return max(max(u.params for u in w.units) // cfg.tp * DTYPE_BYTES[cfg.dtype], cfg.bucket_bytes)
@@ -138,8 +163,8 @@ def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
         state["host"] += launch
         state["count"] += 1
         state["c"] = max(state["c"], state["t"]) + seconds
-        if saturated:  # the transfer's copies take the cores the compute would have used
-            state["t"] = state["c"]
+        if saturated:  # the transfer's copies take the cores the compute would have used, but the measured share
+            state["t"] += (1.0 - cluster.busy_overlap) * (state["c"] - state["t"])
         return state["c"]
 
     def run(seconds: float) -> None:
@@ -202,13 +227,17 @@ def simulate(w: Workload, cluster: Cluster, cfg: RunConfig) -> StepReport:
     local = w.params / cfg.tp / (1 if cfg.stage == 0 else cfg.dp)
     k = optimizer_state_bytes_per_param(cfg.optimizer, cfg.dtype)
     opt_s = local * (2 * k + 4 + elem) / cluster.hbm_bw * share  # read+write master and state, read grad, write param
+    if cfg.offload is not None:  # [Note: offload on paper]: the tier's reads and writes, overlapped with the stepping
+        io = 2 * 4 * offload_files(cfg.dtype, cfg.optimizer, cfg.stage) * local
+        opt_s = max(opt_s, io / (cluster.disk_bw if cfg.offload == "disk" else 2 * cluster.host_bw))
     step = state["t"] + opt_s + cluster.step_overhead_s
     compute = cfg.accum * (sum(fwd) + sum(bwd))
     step_tokens = cfg.dp * cfg.accum * tokens
     tps = step_tokens / step
     mfu = w.flops_per_token * tps / (cluster.peak_flops * cfg.gpus)
     exposed = max(0.0, state["t"] - compute - state["host"] - state["copy"])
-    mem = peak_memory(w, cfg, window_bytes(w, cfg), capacity * grad_elem)
+    mem = peak_memory(w, cfg, window_bytes(w, cfg), capacity * grad_elem, cluster.context_bytes, buckets=len(specs),
+                      gloo=cluster.cores > 0)
     return StepReport(cfg.stage, step, compute, exposed, state["host"], opt_s, tps, tps / cfg.gpus, mfu, mem,
                       state["count"])
 

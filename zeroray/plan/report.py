@@ -12,7 +12,9 @@ def format_plan(p: Dict[str, Any]) -> str:
         lines.append(f"{p['model']}: {count(p['params'])} params, seq {p['seq_len']}, micro-batch {p['micro_batch']}"
                      f" x accum {p['accum']}, {p['dtype']}, on {p['gpus']} x {p['gpu']} "
                      f"({p['gpu_memory_gb']:.3g} GB each, margin {p['margin']:.0%})" +
-                     (f", tensor parallel {p['tp']}" if p["tp"] > 1 else ""))
+                     (f", tensor parallel {p['tp']}" if p["tp"] > 1 else "") +
+                     (f", offload={p['offload']}" + (" (on paper: not built yet)" if p["offload"] == "cpu" else "")
+                      if p.get("offload") else ""))
         cols = ("stage", "GB/GPU", "fits", "step s", "tok/s/GPU", "MFU", "exposed comm s", "bucket MiB", "window MiB")
         rows = [cols]
         for s, r in p["stages"].items():

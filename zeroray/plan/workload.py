@@ -16,7 +16,9 @@ the embedding, each transformer block, and the final norm with the output head. 
 
 Shapes come from a Hugging Face config (Llama and GPT-2 families), a named preset, a bare
 parameter count (``from_params``: a GPT shape with ``layers = hidden / 128``), or a real module on
-the meta device (``from_module``: the engine's own FlatLayout units; FLOPs from its Linear weights).
+the meta device (``from_module``: the engine's own FlatLayout units; FLOPs from its Linear weights,
+Hugging Face Conv1D weights and nn.MultiheadAttention's input projection; the logits' width from its
+largest nn.Embedding).
 """
 from __future__ import annotations
 
@@ -140,7 +142,7 @@ def model_preset(name: str, seq_len: Optional[int] = None) -> Workload:
 def from_module(model_or_fn: Any, *, seq_len: int = 1024, hidden: int = 0, heads: int = 0,
                 wrap: Any = "auto") -> Workload:
     """Units of a real ``nn.Module`` (or a zero-argument function building one, built on the meta
-    device) by the engine's own FlatLayout. A unit's ``matmul_params`` are the Linear weights its
+    device) by the engine's own FlatLayout. A unit's ``matmul_params`` are the matmul weights its
     modules use (a tied weight counts in the unit that owns it); ``attention`` marks units with an
     attention module when ``hidden`` is known (given, or read off nn.MultiheadAttention)."""
     import torch
@@ -158,9 +160,11 @@ def from_module(model_or_fn: Any, *, seq_len: int = 1024, hidden: int = 0, heads
     owner = {id(p): layout.slots[name].unit for name, p in model.named_parameters() if name in layout.slots}
     matmul = [0] * len(layout.units)
     attention = [False] * len(layout.units)
+    vocab = 0
     for mod_name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and id(mod.weight) in owner:
-            matmul[owner[id(mod.weight)]] += mod.weight.numel()
+        for weight in _matmul_weights(mod):
+            if id(weight) in owner:
+                matmul[owner[id(weight)]] += weight.numel()
         if isinstance(mod, torch.nn.MultiheadAttention):
             hidden, heads = hidden or mod.embed_dim, heads or mod.num_heads
             for p in mod.parameters():
@@ -169,6 +173,7 @@ def from_module(model_or_fn: Any, *, seq_len: int = 1024, hidden: int = 0, heads
                     break
         if isinstance(mod, torch.nn.Embedding) and id(mod.weight) in owner:
             hidden = hidden or mod.embedding_dim
+            vocab = max(vocab, mod.num_embeddings)  # the token embedding, the largest: the logits' width
     # A block is one element of an nn.ModuleList/nn.Sequential (the engine's "auto" wrap cuts there); its
     # first unit carries the block's attention FLOPs and activations, whatever units the wrap made of it.
     lists = {name for name, m in model.named_modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))}
@@ -186,4 +191,20 @@ def from_module(model_or_fn: Any, *, seq_len: int = 1024, hidden: int = 0, heads
             attention[i] = True
     units = tuple(Unit(u.module or f"unit{u.index}", u.numel, matmul[u.index], attention[u.index])
                   for u in layout.units)
-    return Workload(type(model).__name__, units, hidden or 1, heads or 1, seq_len, 0, sum(attention))
+    return Workload(type(model).__name__, units, hidden or 1, heads or 1, seq_len, vocab, sum(attention))
+
+
+def _matmul_weights(mod: Any) -> List[Any]:
+    """The weights of ``mod`` that multiply every token: an ``nn.Linear``'s, a Hugging Face ``Conv1D``'s
+    (GPT-2's linear layers, the weight transposed), and ``nn.MultiheadAttention``'s input projection
+    (a parameter of its own; its output projection is an ``nn.Linear``, found as such)."""
+    import torch
+
+    if isinstance(mod, torch.nn.Linear):
+        return [mod.weight]
+    if type(mod).__name__ == "Conv1D" and getattr(mod, "weight", None) is not None and mod.weight.dim() == 2:
+        return [mod.weight]
+    if isinstance(mod, torch.nn.MultiheadAttention):
+        return [p for p in (mod.in_proj_weight, mod.q_proj_weight, mod.k_proj_weight, mod.v_proj_weight)
+                if p is not None]
+    return []

@@ -48,11 +48,13 @@ import ray
 from zeroray.layout.arena import FlatLayout
 from zeroray.config import ScalingConfig, ZeroConfig
 from zeroray.engine.batch import batch_size, split_batch
+from zeroray.engine.optim_record import merge_parts
 from zeroray.runtime.batch_transport import PackedBatch
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.data import evaluation_batches
 from zeroray.runtime.failures import PlacementError, WorkerSetupError, is_worker_failure
 from zeroray.runtime.messages import WorkerSpec
+from zeroray.runtime.optimizer_restore import LoadPlan, RestoreChoice, plan_load
 from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
 from zeroray.runtime.sequencer import Cancelled
 from zeroray.runtime.snapshot import Snapshot, SnapshotKeeper
@@ -71,7 +73,9 @@ class GroupSlot:
 
     def release(self) -> None:
         group, self.group = self.group, None
-        if group is not None:
+        # Ray down (its atexit hook ran): calling into it would start a new local Ray ([Note:
+        # releasing at exit] in trainer.py); the actors went with the cluster or with their owner.
+        if group is not None and ray.is_initialized():
             group.shutdown()
 
 
@@ -93,6 +97,10 @@ class Controller:
         self.recoveries: List[Dict[str, Any]] = []    # fit: one record per restart (cause, timing, size)
         self.in_flight = 0                         # steps sent and not yet collected
         self._fit_origin = (0, 0)                  # (step_count, data_position) where this fit began
+        # what the optimizer was built from and which of it was given: Trainer.restore's choice,
+        # which every load of a checkpoint follows ([Note: restoring the optimizer] in optimizer_restore.py)
+        self.restore_choice = RestoreChoice(spec.optimizer, spec.param_groups, spec.scheduler)
+        self._fresh_at: Optional[str] = None       # the checkpoint a fresh_optimizer restore started from
         ship_by_value(spec)  # before the first actor: [Note: shipping model code]
         self._start(scaling.num_workers)
 
@@ -146,13 +154,17 @@ class Controller:
         finally:
             self.states.leave(TrainerState.STEPPING)
 
-    def _check_batch(self, batch: Any) -> None:
+    def _check_batch(self, batch: Any) -> int:
+        """The global batch's rows: at least one per micro-batch of every worker ([Note: uneven
+        splits] in engine/batch.py)."""
         size = batch_size(batch)
         parts = self.num_workers * self.zero.grad_accum_steps
-        if size % parts:
+        if size < parts:
             raise ValueError(
-                f"the global batch has {size} rows, which does not split evenly over {self.num_workers} worker(s)"
-                f" x {self.zero.grad_accum_steps} micro-batch(es): use a batch size divisible by {parts}")
+                f"the global batch has {size} rows, fewer than {self.num_workers} worker(s) x "
+                f"{self.zero.grad_accum_steps} micro-batch(es): every micro-batch of every worker needs at least "
+                f"one row; use a global batch of at least {parts} rows")
+        return size
 
     def _require_stepping(self) -> None:
         if self.state not in (TrainerState.STEPPING, TrainerState.FITTING):
@@ -164,10 +176,10 @@ class Controller:
         ``after_ok``: the step runs only if the call sent before it succeeded (a step queued
         behind another is dropped when that one fails; see sequencer.py)."""
         self._require_stepping()
-        self._check_batch(batch)
+        rows = self._check_batch(batch)
         shards = [PackedBatch(s) for s in split_batch(batch, self.num_workers)]  # [Note: batch transport]
         submitted = time.time()
-        refs = self.group.call_each("train_step", [(s,) for s in shards], after_ok=after_ok)
+        refs = self.group.call_each("train_step", [(s, rows) for s in shards], after_ok=after_ok)
         self.in_flight += 1
         number = self.step_count + self.in_flight
         return PendingStep(refs, submitted, number, tokens, snapshot=self._snapshot_after(number))
@@ -246,36 +258,43 @@ class Controller:
     def _evaluate(self, data: Any, metric_fn: Optional[Callable], dataset_batch_size: Optional[int]
                   ) -> Dict[str, float]:
         """Every global batch split over the workers; per batch the mean over workers of what each
-        reported, then the mean over batches. Two batches in flight, as fit keeps steps."""
+        reported, weighted by their rows (the plain mean when they are equal: [Note: uneven splits]
+        in engine/batch.py), then the mean over batches. Two batches in flight, as fit keeps steps."""
         group, n = self.group, self.num_workers
         metric_ref = ray.put(metric_fn)  # sent once, not with every batch
         sums: Dict[str, float] = {}
         counts: Dict[str, int] = {}
-        pending: Deque[Tuple[int, List[Any]]] = deque()
+        pending: Deque[Tuple[int, List[int], List[Any]]] = deque()
 
-        def collect(index: int, refs: List[Any]) -> None:
+        def collect(index: int, rows: List[int], refs: List[Any]) -> None:
             outs = group.wait_all(refs, None, f"evaluate (batch {index})")
             if any(set(o) != set(outs[0]) for o in outs):
                 raise ValueError(f"evaluate: metric_fn returned other names on other workers for batch {index}: "
                                  f"{[sorted(o) for o in outs]}; return the same names on every worker")
             for key in outs[0]:
-                sums[key] = sums.get(key, 0.0) + sum(o[key] for o in outs) / n
+                if len(set(rows)) == 1:
+                    value = sum(o[key] for o in outs) / n
+                else:
+                    value = sum(o[key] * r for o, r in zip(outs, rows)) / sum(rows)
+                sums[key] = sums.get(key, 0.0) + value
                 counts[key] = counts.get(key, 0) + 1
 
         try:
             for index, batch in enumerate(evaluation_batches(data, dataset_batch_size)):
                 size = batch_size(batch)
-                if size % n:
-                    raise ValueError(f"evaluate: batch {index} has {size} rows, which does not split evenly over {n} "
-                                     f"worker(s): use batches whose size divides by {n}")
-                shards = [PackedBatch(s) for s in split_batch(batch, n)]  # [Note: batch transport]
-                pending.append((index, group.call_each("evaluate", [(s, metric_ref) for s in shards])))
+                if size < n:
+                    raise ValueError(f"evaluate: batch {index} has {size} rows, fewer than the {n} workers: every "
+                                     f"worker needs at least one row; use batches of at least {n} rows")
+                parts = split_batch(batch, n)
+                rows = [batch_size(p) for p in parts]
+                shards = [PackedBatch(s) for s in parts]  # [Note: batch transport]
+                pending.append((index, rows, group.call_each("evaluate", [(s, metric_ref) for s in shards])))
                 if len(pending) == 2:
                     collect(*pending.popleft())
             while pending:
                 collect(*pending.popleft())
         except BaseException:
-            _wait_quietly([ref for _, refs in pending for ref in refs], 10.0)
+            _wait_quietly([ref for _, _, refs in pending for ref in refs], 10.0)
             raise
         if not counts:
             raise ValueError("evaluate: the data held no batches")
@@ -495,7 +514,9 @@ class Controller:
             fields = ManifestFields(layout=self.layout, data_position=self.data_position,
                                     config={"zero": repr(self.zero), "scaling": repr(self.scaling),
                                             "seed": self.spec.seed},
-                                    extra={"state_dict_keys": self.state_dict_keys})
+                                    extra={"state_dict_keys": self.state_dict_keys},
+                                    optimizer=merge_parts([o[2] for o in outs], self.spec.optimizer,
+                                                          self.spec.param_groups))
             self.last_checkpoint = commit(root, self.step_count, fields, infos, keep=keep)
             self.last_checkpoint_step = self.step_count
         except Exception as error:
@@ -524,10 +545,25 @@ class Controller:
         step_dir = checkpoint_dir(path)  # every worker reads the same step, even if a save lands now
         manifest = load_manifest(step_dir)
         group = self.group
-        steps = group.wait_all(group.call("load_checkpoint", step_dir), None, "restore")
+        plan = self._optimizer_plan(manifest, step_dir)
+        steps = group.wait_all(group.call("load_checkpoint", step_dir, plan.for_workers()), None, "restore")
         self.step_count = steps[0]
         self.data_position = int(manifest.data_position or 0)
         self.last_checkpoint, self.last_checkpoint_step = step_dir, steps[0]
+
+    def _optimizer_plan(self, manifest: Any, step_dir: Any) -> LoadPlan:
+        """What loading ``step_dir`` takes of its optimizer, given the workers' own build and
+        what the trainer was given ([Note: restoring the optimizer] in optimizer_restore.py); logged."""
+        group = self.group
+        parts = group.wait_all(group.call("optimizer_record"), None, "restore: the optimizer as built")
+        live = merge_parts(parts, self.spec.optimizer, self.spec.param_groups)
+        fresh = self.restore_choice.fresh_optimizer and self._fresh_at in (None, str(step_dir))
+        plan = plan_load(manifest.optimizer, manifest.scalars, live, self.restore_choice, fresh)
+        if fresh:
+            self._fresh_at = str(step_dir)  # only this checkpoint: the ones saved since hold the new state
+        for line in plan.lines:
+            log.info("zeroray: %s", line)
+        return plan
 
     def verify(self, step_dir: Any) -> None:
         """Every worker checks its share of the checkpoint's files (sizes, sha256) in parallel;

@@ -36,6 +36,8 @@ import uuid
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
+from zeroray.engine.batch import split_sizes
+
 if TYPE_CHECKING:
     from zeroray.runtime.step import PendingStep
     from zeroray.runtime.worker_group import WorkerGroup
@@ -54,14 +56,30 @@ def is_ray_dataset(data: Any) -> bool:
 
 
 def local_batch_size(global_batch_size: Any, num_workers: int, grad_accum_steps: int) -> int:
+    """Each worker's local batch: ``global_batch_size / num_workers`` rows, which must be whole
+    ([Note: Ray Data batches] in local_feed.py says why a Ray Data split cannot be uneven); its
+    micro-batches may be (6 rows over 4 micro-batches: 2, 2, 1, 1; [Note: uneven splits] in
+    engine/batch.py)."""
     if not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size < 1:
         raise ValueError("fit(dataset) with a ray.data.Dataset needs batch_size= (the global batch size, in rows, "
                          f"split evenly over the workers), got {global_batch_size!r}")
-    parts = num_workers * grad_accum_steps
-    if global_batch_size % parts:
-        raise ValueError(f"batch_size={global_batch_size} does not split evenly over {num_workers} worker(s) x "
-                         f"{grad_accum_steps} micro-batch(es): use a batch size divisible by {parts}")
-    return global_batch_size // num_workers
+    if global_batch_size % num_workers:
+        below = global_batch_size // num_workers * num_workers
+        above = below + num_workers
+        raise ValueError(
+            f"fit(dataset): batch_size={global_batch_size} does not split evenly over {num_workers} worker(s). With a "
+            "ray.data.Dataset every worker reads its own equal split in local batches of batch_size / num_workers "
+            f"rows, so batch_size must be divisible by {num_workers} (the workers): use "
+            + (f"{below} or {above}" if below else f"{above}")
+            + (f"; or pass fit an iterable of global batches, which zeroray splits unevenly ({global_batch_size} rows "
+               f"over {num_workers} workers: {', '.join(map(str, split_sizes(global_batch_size, num_workers)))})"
+               if global_batch_size >= num_workers * grad_accum_steps else ""))
+    local = global_batch_size // num_workers
+    if local < grad_accum_steps:
+        raise ValueError(f"fit(dataset): batch_size={global_batch_size} gives each of the {num_workers} worker(s) "
+                         f"{local} row(s), fewer than its {grad_accum_steps} micro-batches (grad_accum_steps): "
+                         f"use batch_size >= {num_workers * grad_accum_steps}")
+    return local
 
 
 def _in_fixed_order(dataset: Any) -> Any:
@@ -83,7 +101,7 @@ def evaluation_batches(data: Any, dataset_batch_size: Optional[int]) -> Iterator
     if is_ray_dataset(data):
         if not isinstance(dataset_batch_size, int) or isinstance(dataset_batch_size, bool) or dataset_batch_size < 1:
             raise ValueError("evaluate with a ray.data.Dataset needs batch_size= (the global batch size, in rows, "
-                             f"split evenly over the workers), got {dataset_batch_size!r}")
+                             f"split over the workers), got {dataset_batch_size!r}")
         return iter(data.iter_torch_batches(batch_size=dataset_batch_size, drop_last=True))
     if dataset_batch_size is not None:
         raise ValueError("evaluate: batch_size= is for a ray.data.Dataset; an iterable of global batches has the "

@@ -11,7 +11,12 @@ column) becomes one tensor of shape ``(rows, *shape)``. A column with no tensor 
 (strings, ragged lists) is a ``ValueError`` naming it: drop it or encode it to numbers with
 ``dataset.map_batches`` before fit. Every split holds the same number of rows
 (``equal=True``, which may drop up to ``num_workers - 1`` rows) and each worker drops its
-last partial batch, so all workers run out of batches on the same step.
+last partial batch, so all workers run out of batches on the same step. That is why the local
+batches are equal (``batch_size`` must divide by the number of workers; data.py refuses it
+otherwise): with local batches of 6, 5 and 5 rows, equal splits would run out after different
+numbers of steps, and the workers that still had a batch would wait in the step's collectives for
+one that has none. A worker's micro-batches may still be uneven ([Note: uneven splits] in
+engine/batch.py).
 
 Global-batch semantics are those of ``trainer.step``: the step's global batch is the
 concatenation of the workers' local batches in rank order, and the loss, gradients and

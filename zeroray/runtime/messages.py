@@ -74,7 +74,7 @@ class Hops:
 class StepOutput:
     """One worker's result of one step (the driver combines them into a StepResult, step.py)."""
 
-    loss: float                  # the loss of this worker's share of the global batch
+    loss: float                  # this worker's share of the loss, weighted by its rows: their mean is the global loss
     grad_norm: float             # global: the same on every worker
     step: int                    # optimizer steps taken so far, this one included
     skipped: bool                # fp16 overflow: the update was skipped

@@ -11,9 +11,9 @@ verification fails on its own and leaves the group usable for the next candidate
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
-from zeroray.checkpoint import CheckpointError, SkippedCheckpoint, load_manifest, restore_candidates
+from zeroray.checkpoint import CheckpointError, Manifest, SkippedCheckpoint, load_manifest, restore_candidates
 from zeroray.runtime.controller import Controller
 
 log = logging.getLogger("zeroray")
@@ -26,6 +26,17 @@ def check_has_candidates(path: Any) -> None:
         raise CheckpointError(f"{path} holds no complete checkpoint to restore"
                               + (f" ({len(interrupted)} interrupted save(s): {[s.path for s in interrupted]})"
                                  if interrupted else "") + "; give a checkpoint root or a step_<N> directory")
+
+
+def newest_manifest(path: Any) -> Optional[Manifest]:
+    """The manifest of the newest candidate under ``path`` that reads (what a fallback restore
+    builds its optimizer from: runtime/optimizer_restore.py), or None."""
+    for step_dir in restore_candidates(path)[0]:
+        try:
+            return load_manifest(step_dir)
+        except CheckpointError:
+            continue
+    return None
 
 
 def load_newest_valid(controller: Controller, path: Any) -> Tuple[Any, List[SkippedCheckpoint]]:

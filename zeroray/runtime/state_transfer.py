@@ -8,7 +8,9 @@ places them first, so a placement failure leaves the trainer as it was). Then ev
 per new rank): piece ``(r, j)`` holds exactly the slices of ``r``'s shard that new rank ``j``
 owns, found with the pure range math of ``zeroray.checkpoint.reshard.plan``, and, from the
 old rank that new rank ``j`` takes them from (``min(j, N - 1)``, as a restore does), the
-per-rank scalars and unsharded tensors. New rank ``j`` then fetches its N pieces one at a
+per-rank scalars and unsharded tensors. Every piece also carries its old rank's param-group
+hyperparameters (the scalars' ``groups``, by group key): an old rank holds only the groups of its
+own slices, and new rank ``j`` may hold a group its source rank held none of. New rank ``j`` then fetches its N pieces one at a
 time (``Worker.load_pieces``), copies each into place and drops it before fetching the next.
 So an old worker holds its own state and one copy of it in pieces, and a new worker its own
 state, the shard it assembles and one piece: O(model / N + model / M), never the whole
@@ -60,7 +62,8 @@ def cut_pieces(old_layout: FlatLayout, old_rank: int, tensors: Mapping[str, torc
         piece: Dict[str, Any] = {
             "copies": [(c.src_start, c.src_end, c.dst_start) for c in copies],
             "tensors": {k: to_wire(torch.cat([v[c.src_start:c.src_end] for c in copies]) if copies else v[:0])
-                        for k, v in sharded.items()}}
+                        for k, v in sharded.items()},
+            "groups": scalars.get("groups") or {}}
         if min(rank, old_layout.world_size - 1) == old_rank:  # where new rank `rank` takes per-rank values
             piece["scalars"] = scalars
             piece["rank_tensors"] = {k: v.detach().cpu().clone() for k, v in others.items()}
@@ -75,6 +78,7 @@ class PieceAssembler:
         self.shard_numel = new_layout.shard_numel
         self.tensors: Dict[str, torch.Tensor] = {}  # key -> this rank's flat shard (1-D)
         self.scalars: Dict[str, Any] = {}
+        self.groups: Dict[str, Any] = {}  # every old rank's param groups' hyperparameters, by key
         self._has_scalars = False
 
     def add(self, piece: Mapping[str, Any]) -> None:
@@ -88,6 +92,7 @@ class PieceAssembler:
                 n = src_end - src_start
                 dst[dst_start:dst_start + n].copy_(flat[offset:offset + n])
                 offset += n
+        self.groups.update(piece.get("groups") or {})
         if "scalars" in piece:
             self.scalars = piece["scalars"]
             self.tensors.update(piece["rank_tensors"])
@@ -97,4 +102,6 @@ class PieceAssembler:
         """(tensors, scalars) for ``Engine.import_state``."""
         if not self._has_scalars:
             raise RuntimeError("resize: no old worker sent this rank its step count and per-rank state")
-        return self.tensors, self.scalars
+        if "groups" not in self.scalars:
+            return self.tensors, self.scalars
+        return self.tensors, {**self.scalars, "groups": {**self.groups, **self.scalars["groups"]}}

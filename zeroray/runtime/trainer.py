@@ -3,9 +3,24 @@
 It validates what the user passed, then hands every action to its ``Controller``
 (controller.py), the driver's state machine, which owns the worker group and the training
 state; ``fit`` runs in fit_loop.py on the same controller. See [Note: trainer states].
+
+[Note: releasing at exit]
+A Trainer that is not shut down releases its actors and placement group when it is garbage
+collected (a ``weakref.finalize``), and at interpreter exit, where the order matters: Ray
+registers ``ray.shutdown`` with ``atexit`` when ``ray`` is imported, and ``weakref.finalize``
+registers its own exit hook the first time any finalizer is made, which ``import torch``
+already does. atexit runs hooks last-registered first, so the finalizers ran *after*
+``ray.shutdown``, and ``ray.kill`` there (a ``client_mode_hook``) started a new local Ray to
+run in: its core worker was then torn down by the C++ static destructors while its I/O thread
+still ran, and about one exit in ten ended in a segmentation fault (exit code 139) instead of
+the user's error (tests/e2e/test_exit_on_error.py). So each Trainer also registers its
+finalizer with atexit itself, after Ray's hook, so that it runs first, while Ray is up; and a
+release finds Ray down, it only drops the handles (the actors and placement groups went with
+the cluster, or with the job's owner).
 """
 from __future__ import annotations
 
+import atexit
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
@@ -14,14 +29,15 @@ import torch
 from zeroray.layout.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
-from zeroray.runtime.auto_stage import resolve_stage
+from zeroray.runtime.auto_stage import first_batch, resolve_stage
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.controller import Controller
 from zeroray.runtime.fit_eval import FitEvaluation
 from zeroray.runtime.fit_loop import run_fit
 from zeroray.runtime.messages import WorkerSpec
+from zeroray.runtime.optimizer_restore import PARTS, RestoreChoice, choose
 from zeroray.runtime.step import StepResult
-from zeroray.runtime.trainer_state import TrainerState
+from zeroray.runtime.trainer_state import SHUT_DOWN, TrainerState
 from zeroray.runtime.worker_group import ensure_ray
 
 __all__ = ["Trainer", "StepResult", "TrainerState"]
@@ -45,7 +61,7 @@ class Trainer:
                  checkpoint: Optional[CheckpointConfig] = None, seed: int = 0,
                  param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]] = None,
                  scheduler: Optional[Callable[[Any], Any]] = None, metrics_path: Optional[str] = None,
-                 _restore_from: Optional[Any] = None) -> None:
+                 _restore_from: Optional[Any] = None, _restore_choice: Optional[RestoreChoice] = None) -> None:
         if not callable(model_fn):
             raise ValueError("model_fn must be a callable () -> torch.nn.Module (a function or class), "
                              f"got {type(model_fn).__name__}")
@@ -61,20 +77,23 @@ class Trainer:
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         self.zero = zero or ZeroConfig()
-        scaling = scaling or ScalingConfig()
+        self._scaling = scaling or ScalingConfig()
         self.failure = failure or FailureConfig()
         self.checkpoint_config = checkpoint or CheckpointConfig()
         self.seed = seed
         self.metrics_path = metrics_path
-        ensure_ray(scaling)
-        self.zero = resolve_stage(self.zero, model_fn, scaling, optimizer)  # stage="auto": the plan's choice
-        spec = WorkerSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=optimizer, zero=self.zero, seed=seed,
+        ensure_ray(self._scaling)
+        self._spec = dict(model_fn=model_fn, loss_fn=loss_fn, optimizer=optimizer, seed=seed,
                           param_groups=param_groups, scheduler=scheduler)
-        self.controller = Controller(spec, scaling, self.zero, spares=self.failure.spares)
-        # Garbage collection of the Trainer releases its actors and placement group.
-        self._finalizer = weakref.finalize(self, self.controller.slot.release)
+        self._controller: Optional[Controller] = None
+        self._finalizer: Optional[weakref.finalize] = None
+        self._closed = False
+        self._position = 0  # data_position set before the workers started
+        self._restore_choice = _restore_choice  # Trainer.restore: what the checkpoint's load takes
         self.restored_from: Optional[Any] = None  # the checkpoint directory Trainer.restore loaded
         self.skipped_checkpoints: List[Any] = []  # restore(fallback=True): SkippedCheckpoint(path, reason)s
+        if self.zero.stage != "auto" or _restore_from is not None:
+            self._start()  # stage="auto" waits for the first batch ([Note: stage from the first batch])
         if _restore_from is not None:
             try:
                 self.controller.load(_restore_from)
@@ -83,31 +102,71 @@ class Trainer:
                 raise
             self.restored_from = self.controller.last_checkpoint
 
+    # --- the workers ([Note: stage from the first batch] in runtime/auto_stage.py) ------------
+
+    def _start(self, batch: Any = None) -> Controller:
+        """The controller, its workers started on first use: with stage="auto", at the stage chosen
+        for ``batch`` (the first global batch the trainer is given, or None: not known)."""
+        if self._controller is None:
+            if self._closed:
+                raise RuntimeError(SHUT_DOWN)
+            self.zero = resolve_stage(self.zero, self._spec["model_fn"], self._scaling, self._spec["optimizer"], batch)
+            spec = WorkerSpec(zero=self.zero, **self._spec)
+            self._controller = Controller(spec, self._scaling, self.zero, spares=self.failure.spares)
+            if self._restore_choice is not None:
+                self._controller.restore_choice = self._restore_choice
+            # Garbage collection of the Trainer releases its actors and placement group.
+            self._finalizer = weakref.finalize(self, self._controller.slot.release)
+            atexit.register(self._finalizer)  # before ray.shutdown at exit: [Note: releasing at exit]
+            if self._position:
+                self._controller.seek(self._position)
+        return self._controller
+
+    def _start_for(self, data: Any, batch_size: Optional[int] = None) -> Any:
+        """Start the workers for fit's or evaluate's ``data`` (its first batch sizes stage="auto"); the
+        data to use from here on (a one-shot iterator whose first batch was read is given it back)."""
+        if self._controller is None and not self._closed:
+            batch, data = first_batch(data, batch_size)
+            self._start(batch)
+        return data
+
+    @property
+    def controller(self) -> Controller:
+        """The driver's state machine (controller.py); reading it starts the workers."""
+        return self._start()
+
     # --- what the trainer knows (the controller owns it) -----------------------------------
 
     @property
     def state(self) -> TrainerState:
         """What the trainer is doing now: idle, stepping, fitting, recovering, resizing or closed."""
-        return self.controller.state
+        if self._controller is None:
+            return TrainerState.CLOSED if self._closed else TrainerState.IDLE
+        return self._controller.state
 
     @property
     def scaling(self) -> ScalingConfig:
-        return self.controller.scaling
+        return self._scaling if self._controller is None else self._controller.scaling
 
     @property
     def step_count(self) -> int:
         """Optimizer steps taken so far."""
-        return self.controller.step_count
+        return 0 if self._controller is None else self._controller.step_count
 
     @property
     def data_position(self) -> int:
         """Global batches consumed from fit's data (where the next fit, or a restored checkpoint, resumes)."""
-        return self.controller.data_position
+        return self._position if self._controller is None else self._controller.data_position
 
     @data_position.setter
     def data_position(self, value: int) -> None:
         """Where the next fit starts in its data (while idle; see Controller.seek)."""
-        self.controller.seek(value)
+        if self._controller is None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"data_position={value!r} must be an integer >= 0 (global batches of fit's data)")
+            self._position = value
+            return
+        self._controller.seek(value)
 
     @property
     def last_recovery_s(self) -> Optional[float]:
@@ -134,7 +193,11 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Release the actors and the placement group. Safe to call twice."""
-        self.controller.close()
+        self._closed = True
+        if self._controller is not None:
+            self._controller.close()
+        if self._finalizer is not None:
+            atexit.unregister(self._finalizer)
 
     def __enter__(self) -> "Trainer":
         return self
@@ -145,8 +208,9 @@ class Trainer:
     # --- training --------------------------------------------------------------------------
 
     def step(self, batch: Any) -> StepResult:
-        """One optimizer step on a global batch (split evenly over the workers)."""
-        return self.controller.step(batch)
+        """One optimizer step on a global batch, split over the workers (unevenly where the rows do
+        not divide, each worker's loss weighted by its rows: [Note: uneven splits] in engine/batch.py)."""
+        return self._start(batch).step(batch)
 
     def fit(self, data: Any, num_steps: Optional[int] = None, *, batch_size: Optional[int] = None,
             skip: Optional[int] = None, progress: bool = True, eval_data: Any = None,
@@ -167,6 +231,7 @@ class Trainer:
         """
         if eval_metric_fn is not None:
             ship_by_value(eval_metric_fn)
+        data = self._start_for(data, batch_size)
         return run_fit(self.controller, data, num_steps, batch_size=batch_size, skip=skip, progress=progress,
                        failure=self.failure, checkpoint=self.checkpoint_config, metrics_path=self.metrics_path,
                        evaluation=FitEvaluation.of(eval_data, eval_every, eval_metric_fn, batch_size))
@@ -177,12 +242,12 @@ class Trainer:
                  ) -> Dict[str, float]:
         """The model's loss (and metrics) on ``data``, without training: ``{"loss": ..., **metrics}``.
 
-        ``data``: an iterable of global batches (each split evenly over the workers, as in
-        ``step``), or a ``ray.data.Dataset`` read in global batches of ``batch_size`` rows (the
-        last partial one dropped). Every worker runs ``loss_fn(model, its rows)``, and
+        ``data``: an iterable of global batches (each split over the workers as in ``step``), or a
+        ``ray.data.Dataset`` read in global batches of ``batch_size`` rows (the last partial one
+        dropped). Every worker runs ``loss_fn(model, its rows)``, and
         ``metric_fn(model, its rows)`` (a dict of floats or 0-dim tensors) if given, with the model
         in ``eval()`` mode under ``torch.no_grad()``. Per batch, each value is the mean over the
-        workers (the training loss's semantics, as DDP's), then the mean over the batches.
+        workers weighted by their rows (the training loss's semantics), then the mean over the batches.
         Touches no optimizer state, step count or gradient, and leaves stage 3's prefetch trace
         as it was.
         """
@@ -191,6 +256,7 @@ class Trainer:
                              f"got {type(metric_fn).__name__}")
         if metric_fn is not None:
             ship_by_value(metric_fn)
+        data = self._start_for(data, batch_size)
         return self.controller.evaluate(data, metric_fn, batch_size)
 
     def run(self, fn: Callable, *args: Any) -> Any:
@@ -273,22 +339,32 @@ class Trainer:
 
     @classmethod
     def restore(cls, path: Any, model_fn: Callable, loss_fn: Callable, *, fallback: bool = False,
-                **kwargs: Any) -> "Trainer":
+                fresh_optimizer: bool = False, **kwargs: Any) -> "Trainer":
         """A Trainer that continues from the checkpoint at ``path`` (a root or a step directory),
-        at any number of workers and any stage.
+        at any number of workers and any stage, with the checkpoint's optimizer: its class,
+        hyperparameters, param groups and LR scheduler state, as PyTorch's ``load_state_dict``
+        restores them. ``optimizer=``, ``param_groups=`` or ``scheduler=`` replace the
+        checkpoint's (the log says which hyperparameters change); the optimizer state still loads
+        when it fits, and ``fresh_optimizer=True`` starts the optimizer and its scheduler over.
+        See [Note: restoring the optimizer] in runtime/optimizer_restore.py.
 
         ``fallback=True``: load the newest checkpoint under ``path`` whose files all verify
         (sizes, sha256), skipping damaged ones (and, for a step directory, trying the older ones
         beside it); ``trainer.restored_from`` says which was loaded and ``trainer.skipped_checkpoints``
         which were skipped and why (also logged as warnings). See runtime/restore.py."""
         from zeroray.checkpoint import load_manifest
-        from zeroray.runtime.restore import check_has_candidates, load_newest_valid
+        from zeroray.runtime.restore import check_has_candidates, load_newest_valid, newest_manifest
 
+        if fallback:
+            check_has_candidates(path)
+        # fail early, with the checkpoint's own error, before starting actors
+        manifest = newest_manifest(path) if fallback else load_manifest(path)
+        choice = choose(manifest.optimizer if manifest is not None else None, manifest.source if manifest else path,
+                        {k: kwargs.pop(k, None) for k in PARTS}, fresh_optimizer)
+        kwargs.update(optimizer=choice.optimizer, param_groups=choice.param_groups, scheduler=choice.scheduler)
         if not fallback:
-            load_manifest(path)  # fail early, with the checkpoint's own error, before starting actors
-            return cls(model_fn, loss_fn, _restore_from=path, **kwargs)
-        check_has_candidates(path)
-        trainer = cls(model_fn, loss_fn, **kwargs)
+            return cls(model_fn, loss_fn, _restore_from=path, _restore_choice=choice, **kwargs)
+        trainer = cls(model_fn, loss_fn, _restore_choice=choice, **kwargs)
         try:
             trainer.restored_from, trainer.skipped_checkpoints = load_newest_valid(trainer.controller, path)
         except BaseException:

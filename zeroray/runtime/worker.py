@@ -157,6 +157,7 @@ class Worker:
         [Note: shrink in memory] in worker_group.py. ``rendezvous_timeout_s``: how long joining
         may take (default: the collective timeout), see [Note: rendezvous timeout] in worker_group.py."""
         from zeroray.comm.group import make_torch_group
+        from zeroray.comm.user_group import join_default_group
         from zeroray.engine.engine import Engine
 
         if self.group is not None:
@@ -175,6 +176,10 @@ class Worker:
         self.group = make_torch_group(backend, self.rank, self.world_size, master_addr, master_port,
                                       timeout_s=zero.collective_timeout_s, store_prefix=spec.group_name,
                                       rendezvous_timeout_s=rendezvous_timeout_s)
+        # torch.distributed for the user's code, model_fn's included: a group of its own
+        # ([Note: torch.distributed in user code] in comm/user_group.py)
+        join_default_group(self.group, "cpu:gloo,cuda:nccl" if self.use_gpu else "gloo", zero.collective_timeout_s,
+                           rendezvous_timeout_s)
         t0 = time.perf_counter()
         with self._building:  # a spare taken while warming: its throwaway build ends first (self.rank is set)
             self.engine = self.memory.build(Engine, spec.model_fn, spec.loss_fn, spec.optimizer, zero,
@@ -188,23 +193,29 @@ class Worker:
                          rendezvous_s=t0 - t_join)
 
     def _leave_group(self) -> None:
-        """Drop the engine and close the old collective group. The close runs on a thread of its
-        own: a receive still posted on a broken gloo connection ends only at the group's timeout,
-        and the new group must not wait for that."""
+        """Drop the engine, destroy torch.distributed's default group and close the old collective
+        group. The close (and the default group's last reference) goes on a thread of its own: a
+        receive still posted on a broken gloo connection ends only at the group's timeout, and
+        the new group must not wait for that."""
+        from zeroray.comm.user_group import leave_default_group
+
         group, self.group, self.engine, self.feed, self._staged = self.group, None, None, None, None
+        default = leave_default_group()
         gc.collect()  # the old engine's model and state, before the new one is built
-        threading.Thread(target=_close_quietly, args=(group,), daemon=True, name="zeroray-old-group").start()
+        threading.Thread(target=_close_quietly, args=(group, default), daemon=True, name="zeroray-old-group").start()
 
     # --- training --------------------------------------------------------------------------
 
     @engine_call(waits_for_copy=False)
-    def train_step(self, batch: Any) -> StepOutput:
-        """One step on this rank's share of the global batch (a PackedBatch, see batch_transport.py)."""
-        return self._step(unpack(batch))
+    def train_step(self, batch: Any, global_rows: Optional[int] = None) -> StepOutput:
+        """One step on this rank's share of the global batch (a PackedBatch, see batch_transport.py)
+        of ``global_rows`` rows ([Note: uneven splits] in engine/batch.py)."""
+        return self._step(unpack(batch), global_rows)
 
-    def _step(self, batch: Any) -> StepOutput:
+    def _step(self, batch: Any, global_rows: Optional[int] = None) -> StepOutput:
         t_engine = time.time()
-        stats = self.memory.step(self.engine.train_step, batch, before_update=self._wait_copy)
+        stats = self.memory.step(self.engine.train_step, batch, before_update=self._wait_copy,
+                                 global_rows=global_rows)
         t_engine_end = time.time()
         return StepOutput(loss=stats.loss, grad_norm=stats.grad_norm, step=stats.step, skipped=stats.skipped,
                           loss_scale=stats.loss_scale, time_s=stats.time_s,
@@ -368,16 +379,26 @@ class Worker:
         tensors, scalars = self.engine.export_state(live=True)
         info = write_shard(root, step, self.rank, tensors, scalars)
         extra = write_extra(root, step, self.engine.untrained_state()) if self.rank == 0 else None
-        return info, extra
+        return info, extra, self.engine.optimizer_record()
 
     @engine_call
-    def load_checkpoint(self, path: str) -> int:
+    def optimizer_record(self) -> Dict[str, Any]:
+        """This rank's part of the optimizer record, as built ([Note: optimizer record] in engine/optim_record.py)."""
+        return self.engine.optimizer_record()
+
+    @engine_call
+    def load_checkpoint(self, path: str, optimizer_plan: Optional[Dict[str, Any]] = None) -> int:
         """This rank's slices of the checkpoint, and the replicated buffers and frozen parameters
-        (its extra tensors, which ``save_shard`` writes from ``untrained_state``)."""
+        (its extra tensors, which ``save_shard`` writes from ``untrained_state``); the optimizer's
+        hyperparameters and scheduler state as ``optimizer_plan`` says ([Note: restoring the
+        optimizer] in runtime/optimizer_restore.py)."""
         from zeroray.checkpoint import load_extra, load_resharded
+        from zeroray.engine.optim_record import with_plan
 
         layout, rank = self.engine.state_layout()
         tensors, scalars = load_resharded(path, layout, rank)
+        if optimizer_plan is not None:
+            tensors, scalars = with_plan(tensors, scalars, optimizer_plan)
         self.engine.import_state(tensors, scalars)
         self.engine.import_untrained(load_extra(path))
         return self.engine.step_count
@@ -409,8 +430,11 @@ def _throwaway_loss(model: torch.nn.Module, batch: Tuple[torch.Tensor]) -> torch
     return model(batch[0]).square().mean()
 
 
-def _close_quietly(group: Any) -> None:
+def _close_quietly(group: Any, default: Any = None) -> None:
+    """Close ``group``; ``default`` (the old torch.distributed default group, already
+    destroyed) is dropped here, where its teardown may wait."""
     try:
         group.close()
     except Exception:  # noqa: BLE001 - a broken group may fail to close; it is dropped either way
         pass
+    del default

@@ -7,7 +7,8 @@ import torch
 
 from tests.fetch_rig import PeerGroup, build
 from zeroray.comm.group import Channel
-from zeroray.fetch.publish import PublishCoordinator
+from zeroray.fetch.lifecycle import Phase
+from zeroray.fetch.publish import UpdatePublisher
 from zeroray.fetch.unit import UnitState
 
 PEER = 7.0
@@ -15,7 +16,7 @@ PEER = 7.0
 
 def coordinator(**group_options):
     rig = build(PeerGroup(world_size=2, peer_value=PEER, **group_options), persistent=True)
-    return rig, PublishCoordinator(rig.units, rig.gatherer, rig.waiter, rig.hooked, rig.params)
+    return rig, UpdatePublisher(rig.units, rig.gatherer, rig.waiter, rig.hooked, rig.params)
 
 
 def states(rig):
@@ -56,7 +57,7 @@ def test_a_forward_waits_for_its_modules_units_in_a_micro_batch():
     rig.model.b.register_forward_pre_hook(lambda m, a: seen.append(list(rig.group.waited)))
     rig.model(torch.ones(1, 4))
     assert seen == [["gather0", "gather1"]]  # a waited for its gather as it started, b for its own
-    assert coord.records == [0]
+    assert coord.phase is Phase.FORWARD and coord.micro_batch == 0
 
 
 def test_flush_waits_for_the_rest_and_the_access_class_is_on_only_in_between():
@@ -81,6 +82,8 @@ def test_the_end_of_a_micro_batch_finishes_the_publish():
     coord.publish()
     coord.begin_step()
     coord.begin_micro_batch(0)
+    coord.begin_backward()
+    coord.finish_backward()
     coord.end_micro_batch()  # the micro-batch read nothing (a rank with no rows)
     assert states(rig) == [UnitState.GATHERED, UnitState.GATHERED]
     assert type(rig.model.a.weight) is torch.nn.Parameter

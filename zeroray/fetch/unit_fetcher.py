@@ -1,10 +1,16 @@
-"""The stage-3 fetch coordinator: when each unit is gathered, waited for and freed.
+"""Stage 3's coordinator, ``UnitFetcher``: when each unit is gathered, waited for and freed.
 
 It decides *when*; the units (fetch/unit.py) own the buffers, the gatherer (comm/gather.py) moves
 the bytes, the trace and schedule (fetch/trace.py) are pure. Events reach it from module hooks
 (a unit root about to run, or done), from parameter reads ([Note: parameter access] in
-fetch/access.py; the access class stays installed from construction to ``remove``) and from
-autograd unpacking a saved view of a unit in backward.
+fetch/access.py; the access class stays installed from construction to ``remove``), and, as its
+``UnitEvents`` (fetch/lifecycle.py), from autograd unpacking a saved view of a unit in backward,
+from a checkpointed module's recomputation and from a unit's last gradient.
+
+Its state is two things. The ``Phase`` of the step (fetch/lifecycle.py), as at every stage:
+where the micro-batch is (forward, backward, computed) or that none is open (IDLE). And, while
+a micro-batch is open, its ``FetchMode``: whether it follows the trace's schedule or negotiates.
+The two are apart because a micro-batch may leave the plan in any phase of it.
 
 A step follows the schedule of a verified trace ([Note: fetch trace] in fetch/trace.py), or, without
 one, negotiates every fetch ([Note: negotiated fetch] in fetch/negotiate.py). Stages 1-2 have a
@@ -41,6 +47,7 @@ from zeroray.comm.waiter import Waiter
 from zeroray.errors import ParameterAccessError, UnrecoverableDivergence
 from zeroray.fetch.access import ParameterAccess
 from zeroray.fetch.hooks import HookedModules, ModuleHooks
+from zeroray.fetch.lifecycle import Coordinator, Phase
 from zeroray.fetch.negotiate import Negotiator
 from zeroray.fetch.trace import Event, EventKind, Holds, Schedule, digest, event_needs
 from zeroray.fetch.unit import Units, UnitState
@@ -48,10 +55,19 @@ from zeroray.fetch.unit import Units, UnitState
 log = logging.getLogger("zeroray")
 
 
-class Mode(enum.Enum):
-    IDLE = "idle"            # between steps
-    FOLLOW = "follow"        # on a verified trace's schedule
-    NEGOTIATE = "negotiate"  # without one (rounds)
+class FetchMode(enum.Enum):
+    """How the open micro-batch (or inference call) fetches; read only while the ``Phase`` is not IDLE.
+
+    FOLLOW: on a verified trace's schedule: its gathers, prefetch and frees ([Note: fetch trace]
+        in fetch/trace.py).
+    NEGOTIATE: without one: every fetch agreed in rounds ([Note: negotiated fetch] in
+        fetch/negotiate.py). A micro-batch begins here when there is no trace (and an inference
+        call always does), or moves here from FOLLOW when it leaves the plan ([Note: plan exit]);
+        never back.
+    """
+
+    FOLLOW = "follow"
+    NEGOTIATE = "negotiate"
 
 
 @dataclass
@@ -68,7 +84,7 @@ def _divergence(who: str, why: str) -> UnrecoverableDivergence:
         "fetches in the middle of a step. Make forward's control flow the same on every worker, or use stage 0-2.")
 
 
-class FetchCoordinator:
+class UnitFetcher(Coordinator):
     """Hooks, events and the stage-3 fetch protocol of one engine; see the module docstring.
 
     ``hooked``: the modules whose forward needs units; ``params``: the trainable parameters
@@ -81,6 +97,7 @@ class FetchCoordinator:
                  prefetch_bytes: Optional[int], max_live_bytes: Optional[int], reuse_distance: int,
                  on_negotiate: Callable[[], None] = lambda: None,
                  before_done_rounds: Callable[[], None] = lambda: None) -> None:
+        super().__init__()
         self.units, self.gatherer, self.group, self.wait = units, gatherer, group, waiter
         self.module_names, self.module_needs = list(hooked.names), list(hooked.needs)
         # None: sized from the model (see ZeroConfig): the largest unit, at least one bucket; no other bound
@@ -93,18 +110,14 @@ class FetchCoordinator:
         self.on_negotiate, self.before_done_rounds = on_negotiate, before_done_rounds
         self.negotiator = Negotiator(group, gatherer, units, waiter)
         self.schedule: Optional[Schedule] = None
-        self.mode = Mode.IDLE
+        self.mode = FetchMode.NEGOTIATE  # set as each micro-batch begins
         self.call = 0                 # train_step calls so far: names this step's signals
-        self.micro_batch = 0
-        self.in_backward = False
-        self.compute_done = False     # this micro-batch's forward and backward are over
         self.records: List[MicroBatchRecord] = []
         self._holds = Holds()
         self._pos = 0                 # schedule position (FOLLOW)
         self._issued = 0              # schedule groups issued (FOLLOW)
         self._dry: List[GatherHandle] = []
         self._logged: set = set()
-        self.stats: dict = {}
         self._reset_stats()
         self._hooks = ModuleHooks(hooked, self.enter, self.exit)
         self.access = ParameterAccess(params, {n: self.layout.slots[n].unit for n in params}, self.on_access)
@@ -118,51 +131,53 @@ class FetchCoordinator:
                       "fetch_wait_s": 0.0, "rounds": 0, "plan_exits": 0}
 
     def begin_step(self) -> None:
+        super().begin_step()
         self.call += 1
         self.records = []
         self._reset_stats()
         self.negotiator.rounds = 0
 
-    def _begin(self, micro_batch: int, record: MicroBatchRecord) -> None:
-        self.micro_batch = micro_batch
+    def _begin(self, record: MicroBatchRecord) -> None:
         self.records.append(record)
-        self.in_backward = self.compute_done = False
         self._holds = Holds()
         self._pos = self._issued = 0
 
     def begin_micro_batch(self, micro_batch: int) -> None:
-        self._begin(micro_batch, MicroBatchRecord())
+        super().begin_micro_batch(micro_batch)
+        self._begin(MicroBatchRecord())
         if self.schedule is not None:
-            self.mode = Mode.FOLLOW
+            self.mode = FetchMode.FOLLOW
             self._read_ahead()
         else:
-            self.mode = Mode.NEGOTIATE
+            self.mode = FetchMode.NEGOTIATE
             self.records[-1].exited = True
             self.on_negotiate()
 
     def begin_backward(self) -> None:
-        self.in_backward = True
+        super().begin_backward()
         self._event(EventKind.BACKWARD_START, 0)
 
     def finish_backward(self) -> None:
         """Before the micro-batch's reductions are waited for: complete the fetch protocol."""
         self._launch_before_done()
-        self.compute_done = True
-        if self.mode is Mode.FOLLOW and self._pos != len(self.schedule):
+        super().finish_backward()
+        if self.mode is FetchMode.FOLLOW and self._pos != len(self.schedule):
             # A prefix of the trace: nothing more to fetch, only the rest of the plan to take part in.
             self.records[-1].exited = True
             self._issue_rest_dry()
-        if self.mode is Mode.NEGOTIATE:
+        if self.mode is FetchMode.NEGOTIATE:
             self._finish_rounds(self.micro_batch)
 
-    def abort_micro_batch(self) -> None:
-        """This rank stops computing the micro-batch (its code raised): take part in every gather
-        its peers still expect of it, and in their rounds."""
+    def abort_micro_batch(self, micro_batch: int) -> None:
+        """This rank stops computing ``micro_batch`` (its code raised, in it or before it began):
+        take part in every gather its peers still expect of it, and in their rounds."""
+        if not self._began(micro_batch):
+            self.begin_micro_batch(micro_batch)
         self._launch_before_done()
-        self.compute_done = True
-        if self.mode is Mode.FOLLOW:
+        super().abort_micro_batch(micro_batch)
+        if self.mode is FetchMode.FOLLOW:
             self._issue_rest_dry()
-        elif self.mode is Mode.NEGOTIATE:
+        elif self.mode is FetchMode.NEGOTIATE:
             self._finish_rounds(self.micro_batch)
 
     def _launch_before_done(self) -> None:
@@ -177,6 +192,10 @@ class FetchCoordinator:
 
     def end_micro_batch(self) -> None:
         """After the micro-batch's reductions: every gather finished, every unit freed."""
+        super().end_micro_batch()
+        self._release()
+
+    def _release(self) -> None:
         for handle in self._dry:
             self.wait(handle)
         self._dry.clear()
@@ -192,6 +211,7 @@ class FetchCoordinator:
 
     def end_step(self, failed: bool, any_exit: bool, agreed: bool) -> None:
         """After the status all-reduce: adopt the recorded sequence when every rank recorded the same."""
+        super().end_step(failed, any_exit, agreed)
         if not failed and any_exit:
             events = self.records[-1].events
             if agreed and (self.schedule is None or events != self.schedule.events):
@@ -211,7 +231,6 @@ class FetchCoordinator:
                 self.group.clear_signal(self._exit_key(m))
         self.negotiator.forget(self.call)
         self.stats["rounds"] = self.negotiator.rounds
-        self.mode = Mode.IDLE
 
     # --- an inference call (called by the engine): see [Note: inference calls] in engine/inference.py --
 
@@ -219,28 +238,26 @@ class FetchCoordinator:
         """Before ``evaluate``/``run`` computes: negotiate every fetch under a call id of its own,
         so its rounds never meet a step's. Nothing it records becomes a trace, and
         ``on_negotiate`` is not called: an inference call reduces nothing."""
+        super().begin_inference()
         self.call += 1
         self.records = []
-        self._begin(0, MicroBatchRecord(exited=True))
-        self.mode = Mode.NEGOTIATE
+        self._begin(MicroBatchRecord(exited=True))
+        self.mode = FetchMode.NEGOTIATE
 
     def end_inference(self) -> None:
         """After ``evaluate``/``run`` computed (or raised): answer rounds until every rank is done,
         then free every unit; the rounds' signals are cleared and the coordinator is IDLE again.
         The schedule is untouched."""
         try:
-            if self.mode is Mode.NEGOTIATE:
-                self.compute_done = True
+            if self.phase is Phase.FORWARD:  # (IDLE: the group broke during the call)
+                self._move("finish_inference")
                 self._finish_rounds(0)
-            self.end_micro_batch()
+            self._release()
             self.negotiator.forget(self.call)
             self.stats["rounds"] = self.negotiator.rounds
         finally:
-            self.mode = Mode.IDLE
+            super().end_inference()
             self.records = []
-
-    def publish(self) -> None:
-        """Nothing to publish: stage 3 gathers each unit where a step needs it."""
 
     def flush(self) -> None:
         """Finish every gather still in flight (none between steps, where every unit is freed)."""
@@ -250,18 +267,18 @@ class FetchCoordinator:
     # --- events ----------------------------------------------------------------------------
 
     def enter(self, index: int) -> None:
-        if self.mode is not Mode.IDLE:
+        if self.phase is not Phase.IDLE:
             self._event(EventKind.FORWARD, index)
 
     def exit(self, index: int) -> None:
-        if self.mode is not Mode.IDLE:
+        if self.phase is not Phase.IDLE:
             self._event(EventKind.END, index)
 
     def enter_module(self, module: torch.nn.Module) -> bool:
         """Recomputation under activation checkpointing: the checkpointed module's own hooks do
         not fire, so its units are fetched here (an event like its pre-hook); True if hooked."""
         index = self._hooks.index(module)
-        if index is None or not self.in_backward:
+        if index is None or self.phase is not Phase.BACKWARD:
             return False
         self.enter(index)
         return True
@@ -272,7 +289,7 @@ class FetchCoordinator:
     def on_access(self, name: str, unit: int) -> None:
         """A parameter of ``unit`` is about to be read; see [Note: parameter access]."""
         state = self.units[unit].state
-        if self.mode is Mode.IDLE:
+        if self.phase is Phase.IDLE:
             if state is UnitState.GATHERING:
                 self.units.wait(unit, self.wait)
             elif state is UnitState.SHARDED:
@@ -283,7 +300,7 @@ class FetchCoordinator:
                     "forward (zeroray gathers them there), and on the driver use trainer.get_parameter(name) or "
                     "trainer.state_dict().")
             return
-        expected = self.mode is Mode.FOLLOW and self._pos < len(self.schedule) and \
+        expected = self.mode is FetchMode.FOLLOW and self._pos < len(self.schedule) and \
             self.schedule.events[self._pos] == (EventKind.ACCESS, unit)
         if state is UnitState.SHARDED or expected:
             self._event(EventKind.ACCESS, unit)
@@ -302,14 +319,15 @@ class FetchCoordinator:
 
     def on_grads_done(self, unit: int) -> None:
         """All gradients of ``unit`` reached the reducer: its parameters are no longer needed."""
-        if self.mode is not Mode.IDLE and self._holds.count(unit) == 0:
+        if self.phase is not Phase.IDLE and self._holds.count(unit) == 0:
             self.units.free(unit, self.wait)
 
     def _event(self, kind: EventKind, index: int) -> None:
+        assert self.phase is not Phase.IDLE, f"a {kind.name} event with no micro-batch open"
         self.records[-1].events.append((kind, index))
         needs = event_needs((kind, index), self.module_needs)
         released = self._holds.add((kind, index), needs)
-        if self.mode is Mode.FOLLOW:
+        if self.mode is FetchMode.FOLLOW:
             if self._pos < len(self.schedule) and self.schedule.events[self._pos] == (kind, index):
                 if self._follow():
                     return
@@ -396,17 +414,17 @@ class FetchCoordinator:
 
     def _leave_plan(self, why: str) -> None:
         """Fetch off the plan from now on; see [Note: plan exit]."""
-        if self.mode is not Mode.FOLLOW:
+        if self.mode is not FetchMode.FOLLOW:
             return
         self.stats["plan_exits"] += 1
         self.records[-1].exited = True
         if self.group.signalled(self._exit_key(self.micro_batch)) is None:
             self.group.signal(self._exit_key(self.micro_batch), f"rank {self.group.rank}: {why}")
         if not self.group.independent_channels:
-            self.mode = Mode.IDLE
+            self._abandon()
             raise _divergence(f"worker {self.group.rank}", why)
         self._issue_rest_dry()
-        self.mode = Mode.NEGOTIATE
+        self.mode = FetchMode.NEGOTIATE
         self.on_negotiate()
 
     def _fetch(self, needs: Sequence[int]) -> None:
@@ -435,7 +453,7 @@ class FetchCoordinator:
         record = self.records[micro_batch]
         if not record.finished:
             record.finished = True
-            if self.mode is Mode.NEGOTIATE and micro_batch == self.micro_batch:
+            if self.mode is FetchMode.NEGOTIATE and micro_batch == self.micro_batch:
                 self._join_earlier()
             self.negotiator.finish(self.call, micro_batch)
 
@@ -448,29 +466,30 @@ class FetchCoordinator:
 
     def poll(self) -> None:
         """Called between slices of a blocking wait: join any plan exit a peer announced."""
-        if self.mode is Mode.IDLE or not self.records:
+        if self.phase is Phase.IDLE or not self.records:
             return
         if not self.group.independent_channels:
             for m in range(len(self.records)):
                 exit_note = self.group.signalled(self._exit_key(m))
                 if exit_note is not None:
-                    self.mode = Mode.IDLE
+                    self._abandon()
                     raise _divergence("a peer", exit_note)
             return
         if self.negotiator.in_round:
             return  # a round's own waits: its peers are in it too
         self._join_earlier()
-        if self.mode is Mode.FOLLOW and self.group.signalled(self._exit_key(self.micro_batch)) is not None:
+        if self.mode is FetchMode.FOLLOW and self.group.signalled(self._exit_key(self.micro_batch)) is not None:
             self._leave_plan("a peer left the plan")
-        if self.mode is Mode.NEGOTIATE:
-            if self.compute_done:
+        if self.mode is FetchMode.NEGOTIATE:
+            if self.phase is Phase.COMPUTED:
                 self._finish_rounds(self.micro_batch)
             else:
                 self.negotiator.join(self.call, self.micro_batch)
 
-    # --- saved tensors ---------------------------------------------------------------------
+    # --- saved tensors (its UnitEvents, with on_grads_done and enter_module/exit_module) ----
 
     def pack(self, t: torch.Tensor):
+        """A saved view of a unit's full buffer is tagged with its unit (the rest as it is)."""
         try:
             unit = self.units.unit_at(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):
@@ -478,6 +497,7 @@ class FetchCoordinator:
         return t if unit is None else (_UnitRef, unit, t)
 
     def unpack(self, obj):
+        """A tagged view is about to be read: its unit is fetched first (``on_backward_use``)."""
         if type(obj) is tuple and len(obj) == 3 and obj[0] is _UnitRef:
             self.on_backward_use(obj[1])
             return obj[2]

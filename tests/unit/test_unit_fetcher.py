@@ -1,4 +1,4 @@
-"""The stage-3 coordinator (fetch/coordinator.py) driven directly, as the engine drives it, over a
+"""The stage-3 coordinator (fetch/unit_fetcher.py) driven directly, as the engine drives it, over a
 one-process group (tests/fetch_rig.py): the first step negotiates and records the trace, the next
 follows its schedule with prefetch and frees, a step that leaves the trace negotiates (or, without
 independent channels, raises), and the trace is adopted only when the ranks agreed."""
@@ -8,7 +8,8 @@ import torch
 from tests.fetch_rig import PeerGroup, build
 from zeroray.comm.group import Channel
 from zeroray.errors import ParameterAccessError, UnrecoverableDivergence
-from zeroray.fetch.coordinator import FetchCoordinator, Mode
+from zeroray.fetch.lifecycle import Phase
+from zeroray.fetch.unit_fetcher import FetchMode, UnitFetcher
 from zeroray.fetch.trace import EventKind
 from zeroray.fetch.unit import UnitState
 
@@ -21,10 +22,10 @@ def coordinator(group=None, **settings):
     calls = {"negotiate": 0, "before_done": 0}
     options = dict(prefetch=True, prefetch_bytes=UNIT_BYTES, max_live_bytes=None, reuse_distance=0)
     options.update(settings)
-    coord = FetchCoordinator(rig.units, rig.gatherer, rig.group, rig.waiter, rig.hooked, rig.params,
-                             on_negotiate=lambda: calls.__setitem__("negotiate", calls["negotiate"] + 1),
-                             before_done_rounds=lambda: calls.__setitem__("before_done", calls["before_done"] + 1),
-                             **options)
+    coord = UnitFetcher(rig.units, rig.gatherer, rig.group, rig.waiter, rig.hooked, rig.params,
+                        on_negotiate=lambda: calls.__setitem__("negotiate", calls["negotiate"] + 1),
+                        before_done_rounds=lambda: calls.__setitem__("before_done", calls["before_done"] + 1),
+                        **options)
     return rig, coord, calls
 
 
@@ -60,7 +61,7 @@ def test_first_step_negotiates_and_records_the_trace():
     # backward reads b's weight (for a's output gradient); a's input needs none, so a's weight is not saved
     assert coord.schedule.events == [(F, 0), (E, 0), (F, 1), (E, 1), (S, 0), (B, 1)]
     assert all(u.state is UnitState.SHARDED for u in rig.units)  # every unit freed after the step
-    assert coord.mode is Mode.IDLE
+    assert coord.phase is Phase.IDLE
 
 
 def test_second_step_follows_the_trace_with_prefetch_and_frees():
@@ -120,7 +121,7 @@ def test_without_independent_channels_leaving_the_plan_raises():
                                                       r"\(event 0 \(forward of module 'b'\) differs from the trace\)"):
         step(rig, coord, swap=True)
     assert rig.group.signals["exit/2/0"].startswith("rank 0: event 0")
-    assert coord.mode is Mode.IDLE
+    assert coord.phase is Phase.IDLE
 
 
 def test_without_independent_channels_a_peers_exit_raises_while_waiting():
@@ -132,7 +133,7 @@ def test_without_independent_channels_a_peers_exit_raises_while_waiting():
     with pytest.raises(UnrecoverableDivergence, match=r"stage 3: a peer left the step's prefetch plan "
                                                       r"\(rank 1: event 3 differs\); over NCCL"):
         coord.poll()
-    assert coord.mode is Mode.IDLE
+    assert coord.phase is Phase.IDLE
 
 
 def test_reads_are_seen_and_outside_a_step_a_sharded_read_raises():

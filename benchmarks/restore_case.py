@@ -1,0 +1,50 @@
+"""Issue 41's restore case: a run saved with AdamW(lr=1e-2, weight_decay=0.0) and restored with
+``zr.Trainer.restore(ck, model_fn, loss_fn)``, no optimizer restated, against the same run never
+interrupted: the largest parameter difference after the next update, per stage.
+
+    python benchmarks/restore_case.py --stages 0 1 2 3
+
+Before restore rebuilt the checkpoint's optimizer, the restored run trained on with the default
+AdamW() (lr 1e-3, weight decay 0.01); now the difference is 0 (the same steps, bitwise). The
+tests that hold it: tests/ray/test_restore_optimizer.py.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import zeroray as zr
+from tests.models import lm_loss, make_batches, parity_model
+
+
+def restore_case(stage: int, workers: int = 2, steps: int = 4) -> float:
+    batches = make_batches(steps)
+    optimizer = zr.AdamW(lr=1e-2, weight_decay=0.0)
+    options = dict(zero=zr.ZeroConfig(stage=stage), scaling=zr.ScalingConfig(num_workers=workers))
+    with zr.Trainer(parity_model, lm_loss, optimizer=optimizer, **options) as trainer:
+        for batch in batches:
+            trainer.step(batch)
+        uninterrupted = trainer.state_dict()
+    with tempfile.TemporaryDirectory() as root:
+        with zr.Trainer(parity_model, lm_loss, optimizer=optimizer, **options) as trainer:
+            for batch in batches[:-1]:
+                trainer.step(batch)
+            trainer.save(root)
+        with zr.Trainer.restore(root, parity_model, lm_loss, **options) as restored:
+            restored.step(batches[-1])
+            got = restored.state_dict()
+    return max((got[k] - v).abs().max().item() for k, v in uninterrupted.items())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
+    p.add_argument("--workers", type=int, default=2)
+    args = p.parse_args()
+    for stage in args.stages:
+        print(f"stage {stage}, {args.workers} workers: max |param - uninterrupted| after the next update "
+              f"{restore_case(stage, args.workers):.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
