@@ -1,8 +1,9 @@
 """torch DDP (gloo) training of a harness spec, on one rank: the parity tests' second reference.
 
-``ddp_spec(...)`` is a harness spec (its ``runner``, tests/dist/harness.py) that trains ``model_fn``
-under ``DistributedDataParallel`` in the engine runs' processes, on the same global batches as zeroray's runs: each rank's loss is
-``loss_fn`` on its equal share of the rows, DDP averages the gradients over the ranks. Its distance
+``ddp_spec(...)`` is a harness spec (its ``runner``, tests/dist/harness.py) that trains
+``model_fn`` under ``DistributedDataParallel`` in the engine runs' processes, on the same global
+batches as zeroray's runs: each rank's loss is ``loss_fn`` on its equal share of the rows, DDP
+averages the gradients over the ranks. Its distance
 from single-process PyTorch is what float reordering alone moves a run by: [Note: parity bound]
 in tests/dist/parity.py.
 
@@ -16,6 +17,7 @@ differs from zeroray only in how the ranks' gradients are summed.
 """
 import datetime
 import functools
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -28,7 +30,7 @@ def _rows(batch, parts: int, index: int):
         assert batch.shape[0] % parts == 0, f"{batch.shape[0]} rows do not split into {parts}"
         n = batch.shape[0] // parts
         return batch[index * n:(index + 1) * n]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding
         return {k: _rows(v, parts, index) for k, v in batch.items()}
     return type(batch)(_rows(v, parts, index) for v in batch)
 

@@ -12,6 +12,11 @@ def _run(state, losses):
     return [{"losses": losses, "norms": [1.0]}] * 2, {k: v.reshape(-1) for k, v in state.items()}
 
 
+def _ddp(state, losses):
+    """A ``ddp_spec`` run as the harness returns it: two ranks' results, each with the state dict."""
+    return [{"losses": losses, "norms": [1.0], "state": state}] * 2, None
+
+
 def _shifted(state, name, by):
     out = {k: v.clone() for k, v in state.items()}
     out[name][0] += by
@@ -23,7 +28,7 @@ REF = ([2.0], None, REF_STATE)
 
 
 def test_the_floor_without_ddp_and_where_ddp_is_close():
-    close_ddp = _run(_shifted(REF_STATE, "w", 1e-7), [2.0])
+    close_ddp = _ddp(_shifted(REF_STATE, "w", 1e-7), [2.0])
     for ddp in (None, close_ddp):
         assert_parity(REF, *_run(_shifted(REF_STATE, "w", 0.9 * PARAM_ABS), [2.0]), ddp=ddp)
         with pytest.raises(AssertionError, match="w: max abs diff"):
@@ -33,7 +38,7 @@ def test_the_floor_without_ddp_and_where_ddp_is_close():
 
 
 def test_twice_ddps_distance_per_tensor():
-    ddp = _run(_shifted(REF_STATE, "w", 2e-5), [2.0 + 4e-5])
+    ddp = _ddp(_shifted(REF_STATE, "w", 2e-5), [2.0 + 4e-5])
     assert_parity(REF, *_run(_shifted(REF_STATE, "w", 3.9e-5), [2.0 + 7e-5]), ddp=ddp)
     with pytest.raises(AssertionError, match=r"w: max abs diff: 4\.1.*DDP's own distance 2\.0"):
         assert_parity(REF, *_run(_shifted(REF_STATE, "w", 4.1e-5), [2.0]), ddp=ddp)
