@@ -61,6 +61,7 @@ import pytest
 import torch
 
 LOSS_REL = 1e-5     # the floor for losses: relative to single-process PyTorch's
+NORM_REL = 1e-4     # the floor for the global gradient norm (tests/conformance/compare.py's rule)
 PARAM_ABS = 1e-5    # the floor for parameters and buffers: absolute
 REORDERING = 2.0    # times DDP's distance from single-process PyTorch
 
@@ -90,6 +91,12 @@ def loss_bound(want: float, ddp_loss: Optional[float]) -> Tuple[float, Optional[
     return max(floor, REORDERING * spread), spread
 
 
+def norm_bound(want: float, ddp_norm: float) -> Tuple[float, float]:
+    """(bound, DDP's distance) for one step's global gradient norm: [Note: parity bound]."""
+    spread = abs(ddp_norm - want)
+    return max(NORM_REL * abs(want), REORDERING * spread), spread
+
+
 def param_bound(want, ddp_value) -> Tuple[float, Optional[float]]:
     """(bound, DDP's distance) for one parameter or buffer tensor: [Note: parity bound]."""
     if ddp_value is None:
@@ -107,9 +114,16 @@ def assert_parity(ref, results, params, ddp=None) -> None:
     """zeroray's run (rank results, consolidated parameters) against single-process PyTorch's
     ``ref`` = (losses, norms, state dict): each step's global loss and every tensor of the
     state dict within [Note: parity bound], the bound scaled by ``ddp``'s distance from ``ref``
-    where given (the ``(rank results, None)`` of a ``ddp_spec`` run on the same batches)."""
-    ref_losses, _, ref_state = ref
+    where given (the ``(rank results, None)`` of a ``ddp_spec`` run on the same batches); with
+    ``ddp`` and norms in ``ref``, each step's global gradient norm first."""
+    ref_losses, ref_norms, ref_state = ref
     ddp_losses = global_losses(ddp[0]) if ddp is not None else [None] * len(ref_losses)
+    if ddp is not None and ref_norms is not None:
+        # AdamW's update is blind to the gradient's scale (but for eps), so a wrong averaging
+        # factor moves losses and weights little: the norm shows it whole (a test whose bound DDP
+        # widens checks it, with its own floor and DDP's spread).
+        for step, (a, b, d) in enumerate(zip(results[0]["norms"], ref_norms, ddp[0][0]["norms"])):
+            within(f"step {step}: gradient norm {a!r} vs reference {b!r}, abs diff", abs(a - b), *norm_bound(b, d))
     for step, (a, b, d) in enumerate(zip(global_losses(results), ref_losses, ddp_losses)):
         within(f"step {step}: loss {a!r} vs reference {b!r}, abs diff", abs(a - b), *loss_bound(b, d))
     for name, want in ref_state.items():

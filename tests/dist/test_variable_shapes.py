@@ -36,23 +36,24 @@ def reference(batches, parts=WORLD, states=None):
     torch.manual_seed(0)
     model = hf_gpt2()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    losses = []
+    losses, norms = [], []
     for step, batch in enumerate(batches, start=1):
         opt.zero_grad()
         loss = sum(hf_loss(model, share) for share in split_batch(batch, parts)) / parts
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
         opt.step()
         losses.append(loss.item())
         if states is not None:
             states[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return losses, None, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def test_changing_sequence_lengths_match_ddp_semantics():
     batches = padded_batches(LONGEST, rows=2 * WORLD)
     assert [b["input_ids"].shape[1] for b in batches] == list(LONGEST)
     assert all((b["labels"] == -100).any() for b in batches[:2])  # padding, masked in the labels
-    ref_losses, _, ref_state = reference(batches)
+    ref_losses, ref_norms, ref_state = reference(batches)
     global_mean_state = reference(batches, parts=1)[2]  # the semantics DDP does not have
     specs = [dict(model_fn=hf_gpt2, loss_fn=hf_loss, optimizer=zr.AdamW(**ADAMW), zero=zr.ZeroConfig(stage=stage),
                   batches=batches) for stage in range(4)]
@@ -60,7 +61,7 @@ def test_changing_sequence_lengths_match_ddp_semantics():
     *runs, ddp = run_engines(WORLD, specs + [ddp_run])
     for stage, (results, params) in enumerate(runs):
         ref_state_trained = {k: v for k, v in ref_state.items() if k in params}
-        assert_parity((ref_losses, None, ref_state_trained), results, params, ddp=ddp)
+        assert_parity((ref_losses, ref_norms, ref_state_trained), results, params, ddp=ddp)
         diff = max((params[k].reshape(v.shape) - v).abs().max().item() for k, v in ref_state_trained.items())
         other = max((params[k].reshape(v.shape) - global_mean_state[k]).abs().max().item()
                     for k, v in ref_state_trained.items())

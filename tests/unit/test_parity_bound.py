@@ -48,3 +48,14 @@ def test_twice_ddps_distance_per_tensor():
     # a bug's size (an update of lr = 1e-2 lost) fails whatever DDP shows
     with pytest.raises(AssertionError, match="w: max abs diff"):
         assert_parity(REF, *_run(_shifted(REF_STATE, "w", 1e-2), [2.0]), ddp=ddp)
+
+
+def test_the_gradient_norm_where_ddp_is_given():
+    """A gradient averaged with a wrong factor (here 3/4 of it) moves AdamW's update little, but
+    the norm by the factor: a test with a DDP reference checks the norm first."""
+    ref = ([2.0], [1.0], REF_STATE)
+    ddp = _ddp(REF_STATE, [2.0])
+    results, params = _run(REF_STATE, [2.0])
+    assert_parity(ref, [{**r, "norms": [1.00005]} for r in results], params, ddp=ddp)
+    with pytest.raises(AssertionError, match="step 0: gradient norm"):
+        assert_parity(ref, [{**r, "norms": [0.75]} for r in results], params, ddp=ddp)
