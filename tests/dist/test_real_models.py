@@ -123,6 +123,7 @@ def runs(saved_gpt2):
     return out
 
 
+@pytest.mark.timeout(1200)  # the first one sets up the module's runs, torch DDP's among them: ~10 min under load
 @pytest.mark.parametrize("world", WORLDS)
 def test_models_we_did_not_write_match_pytorch(saved_gpt2, runs, world):
     batches = real_batches(STEPS, batch=4 * world)
