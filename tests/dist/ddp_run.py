@@ -19,9 +19,11 @@ Spec keys: ``model_fn``, ``loss_fn``, ``optimizer`` (``params -> torch optimizer
 and optionally ``accum`` (micro-batches per rank, 1) and ``seed`` (0). The run uses no zeroray
 code: a bug there (an optimizer spec that builds the wrong optimizer, a batch split that drops
 rows or weighs them wrongly) would move DDP as far as zeroray and widen the bound with it, so
-the optimizer is a torch one the test builds and the rows are split and weighted here. The tests give it the kernel zeroray's ``zr.AdamW`` builds (torch's fused
-AdamW, which rounds differently from the single-process reference's default kernel), so DDP
-differs from zeroray only in how the ranks' gradients are summed.
+the optimizer is a torch one the test builds and the rows are split and weighted here. The
+tests give it the kernel zeroray's ``zr.AdamW`` builds (torch's fused AdamW, which rounds
+differently from the single-process reference's default kernel), so DDP differs from zeroray
+only in how the ranks' gradients are summed (and, with uneven parts, where each part's weight
+falls).
 """
 import contextlib
 import datetime

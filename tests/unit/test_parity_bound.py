@@ -59,3 +59,13 @@ def test_the_gradient_norm_where_ddp_is_given():
     assert_parity(ref, [{**r, "norms": [1.00005]} for r in results], params, ddp=ddp)
     with pytest.raises(AssertionError, match="step 0: gradient norm"):
         assert_parity(ref, [{**r, "norms": [0.75]} for r in results], params, ddp=ddp)
+
+
+def test_a_ddp_reference_off_at_its_first_step_is_refused():
+    """DDP's first step starts from the reference's weights: a gradient norm off there is a
+    wrong reference (rows split or weighted wrongly), which would widen every bound it sets."""
+    ref = ([2.0], [1.0], REF_STATE)
+    results, params = _run(REF_STATE, [2.0])
+    assert_parity(ref, results, params, ddp=([{"losses": [2.0], "norms": [1.00005], "state": REF_STATE}] * 2, None))
+    with pytest.raises(AssertionError, match="the DDP reference is not"):
+        assert_parity(ref, results, params, ddp=([{"losses": [2.0], "norms": [1.036], "state": REF_STATE}] * 2, None))
