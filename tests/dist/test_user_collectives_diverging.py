@@ -9,7 +9,8 @@ backward), which takes no part in zeroray's rounds: both blocked until the colle
 and failed with gloo's "Timed out waiting ... for recv". Now a helper thread answers rounds for
 a worker whose compute thread is outside zeroray ([Note: answering rounds outside zeroray] in
 zeroray/fetch/unit_fetcher.py). Each case is compared with single-process PyTorch on the
-global batches (the conformance oracle), on 2 and 3 workers, with accumulation.
+global batches (the conformance oracle), on 2 and 3 workers, with accumulation, and one
+evaluates after training (``loss_fn``'s all_reduce in an inference call, every fetch negotiated).
 """
 from tests.conformance.case import build_case
 from tests.conformance.configs import RunConfig
@@ -31,7 +32,7 @@ def test_user_collectives_after_divergent_routing_match_pytorch():
                         head="tied", l2=False, sync_bn=True)
     both = ModelSpec(vocab=11, dim=5, heads=2, blocks=("route", "bn", "linear"), experts=3, positions="sinusoidal",
                      head="own", l2=False, sync_bn=True, dist_loss=True)
-    cases = [build_case(1, all_reduce, _stage3(2)), build_case(2, all_reduce, _stage3(2, grad_accum_steps=2)),
+    cases = [build_case(1, all_reduce, _stage3(2), evaluate=True), build_case(2, all_reduce, _stage3(2, grad_accum_steps=2)),
              build_case(3, sync_bn, _stage3(2)), build_case(4, both, _stage3(3, grad_accum_steps=2)),
              build_case(5, all_reduce, _stage3(3, reuse_distance=0))]
     for case in cases:
