@@ -139,9 +139,10 @@ class _Answerer:
             del fetcher
 
     def close(self) -> None:
+        """Stop after the poll in progress, if any, without waiting for it: a round it is in may
+        only end at the collective timeout where the group broke (the fetcher is being
+        discarded then)."""
         self.stop.set()
-        if self.thread is not threading.current_thread():
-            self.thread.join()
 
 
 class UnitFetcher(Coordinator):
