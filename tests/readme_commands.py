@@ -18,7 +18,8 @@ SECTION = "## Ways to run"
 # subsection -> where its commands run, as written
 RUNS = {
     "A local script": "tests/e2e/test_readme_commands.py",
-    "A notebook": ".ci/run",
+    # its headless line, read from here and run with nbclient as `jupyter execute` runs it
+    "A notebook": "tests/e2e/test_notebook.py",
     "A job on a Ray cluster": "tests/e2e/test_job_submission.py",
     "Fine-tuning a Hugging Face model": "tests/e2e/test_finetune_hf.py",
     # its driver (tests/e2e/tune_driver.py) runs examples/tune_lr.py's main with the README's arguments
@@ -33,8 +34,8 @@ CI_ONLY = {
 # Commands that cannot run unattended, and what runs in their place.
 INTERACTIVE = {
     "pip install jupyterlab && jupyter lab examples/quickstart.ipynb":
-        "opens JupyterLab for a person; `jupyter execute` runs the same notebook headless (.ci/run), "
-        "and tests/e2e/test_notebook.py cell by cell",
+        "opens JupyterLab for a person; the headless `jupyter execute` line runs the same notebook "
+        "(tests/e2e/test_notebook.py)",
 }
 
 

@@ -91,16 +91,38 @@ def _case_batches(world):
     return {k: expert_batches(STEPS, world * k) for k in {k for _, k in CASES}}
 
 
+# test_save_after_skipped_steps_and_restore_at_another_size: saved after SPLIT steps at 3 workers, on
+# batches of 6 parts (routes that differ between the ranks at 3 and at 2 workers)
+SPLIT = 3
+
+
+def _checkpoint_batches():
+    return expert_batches(STEPS, 6)
+
+
 @pytest.fixture(scope="module")
-def engine_runs():
-    """world -> (batches by grad_accum_steps, every case of CASES at ``world`` workers): both
-    world sizes run once per module, in one set of 3 processes (process start-up dominates)."""
+def checkpoint_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("unused-checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def module_runs(checkpoint_root):
+    """Every case of CASES at both world sizes, and the checkpoint's save (under
+    ``checkpoint_root``), in one set of 3 processes (process start-up dominates)."""
     table = {(world, i): (world, dict(model_fn=experts_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
                                       zero=zr.ZeroConfig(stage=stage, grad_accum_steps=k),
                                       batches=_case_batches(world)[k], inspect=optimizer_view))
              for world in WORLDS for i, (stage, k) in enumerate(CASES)}
-    done = run_engine_table(table)
-    return lambda world: (_case_batches(world), [done[(world, i)] for i in range(len(CASES))])
+    table[("save",)] = (3, dict(model_fn=experts_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
+                                zero=zr.ZeroConfig(stage=3), batches=_checkpoint_batches()[:SPLIT],
+                                inspect=_save(checkpoint_root)))
+    return run_engine_table(table)
+
+
+@pytest.fixture(scope="module")
+def engine_runs(module_runs):
+    """world -> (batches by grad_accum_steps, every case of CASES at ``world`` workers)."""
+    return lambda world: (_case_batches(world), [module_runs[(world, i)] for i in range(len(CASES))])
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -154,33 +176,30 @@ def _resize(old_layout, old_states):
     return resize
 
 
-def test_save_after_skipped_steps_and_restore_at_another_size():
-    """Three steps at 3 workers (stage 3) leave the experts with different step counts and the
-    head with no state; the checkpoint carries them per element ("optim.step"), and 2 workers
-    at stages 0, 1 and 3 go on from it (and at stage 2 from a resize's in-memory transfer)
-    exactly like one uninterrupted torch run."""
+def test_save_after_skipped_steps_and_restore_at_another_size(module_runs, checkpoint_root):
+    """Three steps at 3 workers (stage 3, in the module's process set) leave the experts with
+    different step counts and the head with no state; the checkpoint carries them per element
+    ("optim.step"), and 2 workers at stages 0, 1 and 3 go on from it (and at stage 2 from a
+    resize's in-memory transfer) exactly like one uninterrupted torch run."""
     from zeroray.checkpoint import commit, load_manifest
 
-    split = 3
-    batches = expert_batches(STEPS, 6)  # 6 parts: routes that differ between the ranks at 3 and at 2 workers
+    split, root = SPLIT, checkpoint_root
+    batches = _checkpoint_batches()
     ref = torch_run(batches)
     assert ref[2]["experts.0.weight"] != ref[2]["experts.1.weight"]
-    with tempfile.TemporaryDirectory() as root:
-        (results, _), = run_engines(3, [dict(model_fn=experts_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
-                                             zero=zr.ZeroConfig(stage=3), batches=batches[:split],
-                                             inspect=_save(root))])
-        infos = [r["inspect"][0] for r in results]
-        path = commit(root, split, {"layout": results[0]["inspect"][1]}, infos)
-        manifest = load_manifest(path)
-        assert "optim.step" in manifest.sharded_keys
-        assert manifest.scalars[0]["optim_per_element"] == ["step"]
-        ways = [(0, _restore(path)), (1, _restore(path)), (3, _restore(path)),
-                (2, _resize(results[0]["inspect"][1], [r["inspect"][2] for r in results]))]
-        specs = [dict(model_fn=experts_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
-                      zero=zr.ZeroConfig(stage=stage), batches=batches[split:], setup=setup, inspect=optimizer_view)
-                 for stage, setup in ways]
-        runs = run_engines(2, specs)
-    for (stage, setup), (results, params) in zip(ways, runs):
+    results, _ = module_runs[("save",)]
+    infos = [r["inspect"][0] for r in results]
+    path = commit(root, split, {"layout": results[0]["inspect"][1]}, infos)
+    manifest = load_manifest(path)
+    assert "optim.step" in manifest.sharded_keys
+    assert manifest.scalars[0]["optim_per_element"] == ["step"]
+    ways = [(0, _restore(path)), (1, _restore(path)), (3, _restore(path)),
+            (2, _resize(results[0]["inspect"][1], [r["inspect"][2] for r in results]))]
+    specs = [dict(model_fn=experts_model, loss_fn=lm_loss, optimizer=zr.AdamW(**ADAMW),
+                  zero=zr.ZeroConfig(stage=stage), batches=batches[split:], setup=setup, inspect=optimizer_view)
+             for stage, setup in ways]
+    continued = run_engines(2, specs)
+    for (stage, setup), (results, params) in zip(ways, continued):
         how = f"{'resized' if setup.__name__ == 'resize' else 'restored'} to 2 workers, stage {stage}"
         try:
             diffs = check_like_torch((ref[0][split:], ref[1], ref[2], None), results, params)

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import zeroray as zr
-from tests.dist.harness import run_engine_table
+from tests.dist.harness import run_engine_table, run_engines
 from tests.dist.test_engine_parity import assert_parity, global_losses
 from tests.dist.test_precision_optim import no_decay_on_bias_and_norm, warmup
 from tests.dist.test_unused_params import _resize, _restore, _save
@@ -103,11 +103,24 @@ def _gpt2_optimizer(name):
     return {"adafactor": adafactor, "lamb": lamb, "muon": muon_adamw, "muon-fp32": muon_fp32_adamw}[name]
 
 
+# test_checkpoint_at_one_size_and_stage_continues_at_another: saved after SPLIT of CHECKPOINT_STEPS
+CHECKPOINT_STEPS, CHECKPOINT_SPLIT = 6, 3
+CHECKPOINT_SPEC = dict(model_fn=parity_model, loss_fn=lm_loss, optimizer=muon_adamw, scheduler=warmup)
+
+
 @pytest.fixture(scope="module")
-def runs():
-    """Every run of this module in one set of 3 processes: key -> (rank results, params)."""
+def checkpoint_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("whole-param-checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint_root):
+    """Every run of this module in one set of 3 processes: key -> (rank results, params); the
+    checkpoint's save too (written under ``checkpoint_root``)."""
     batches, gpt2_batches = make_batches(STEPS), real_batches(STEPS)
-    table = {}
+    table = {("checkpoint-save",): (3, dict(CHECKPOINT_SPEC, zero=zr.ZeroConfig(stage=3),
+                                            batches=make_batches(CHECKPOINT_STEPS)[:CHECKPOINT_SPLIT],
+                                            inspect=_save(checkpoint_root)))}
     for world in WORLDS:
         for stage in STAGES:
             for name, (spec, _, _) in OPTIMIZERS.items():
@@ -340,33 +353,27 @@ def test_offload_is_bitwise_the_run_in_memory(runs):
             assert [r["inspect"]["state"] for r in disk] == [r["inspect"]["state"] for r in memory], what
 
 
-def test_checkpoint_at_one_size_and_stage_continues_at_another():
-    """Three steps of the Muon recipe at 3 workers, stage 3, with an LR scheduler, saved: each
-    parameter's state in its owner's file, the manifest saying which. Then 2 workers at stages
-    0, 1 and 3 go on from the checkpoint, and at stage 2 from a resize's in-memory transfer,
-    each exactly like one uninterrupted torch run."""
-    import tempfile
-
+def test_checkpoint_at_one_size_and_stage_continues_at_another(runs, checkpoint_root):
+    """Three steps of the Muon recipe at 3 workers, stage 3, with an LR scheduler, saved (in the
+    module's process set): each parameter's state in its owner's file, the manifest saying which.
+    Then 2 workers at stages 0, 1 and 3 go on from the checkpoint, and at stage 2 from a resize's
+    in-memory transfer, each exactly like one uninterrupted torch run."""
     from zeroray.checkpoint import commit, load_manifest
-    from tests.dist.harness import run_engines
 
-    split, steps = 3, 6
-    batches = make_batches(steps)
+    split, root = CHECKPOINT_SPLIT, checkpoint_root
+    batches = make_batches(CHECKPOINT_STEPS)
     ref = reference_run(parity_model, lm_loss, lambda m: muon_adamw(trainable(m)), batches, scheduler=warmup)
-    spec = dict(model_fn=parity_model, loss_fn=lm_loss, optimizer=muon_adamw, scheduler=warmup)
-    with tempfile.TemporaryDirectory() as root:
-        (results, _), = run_engines(3, [dict(spec, zero=zr.ZeroConfig(stage=3), batches=batches[:split],
-                                             inspect=_save(root))])
-        infos = [r["inspect"][0] for r in results]
-        path = commit(root, split, {"layout": results[0]["inspect"][1]}, infos)
-        manifest = load_manifest(path)
-        owners = set(manifest.owned_keys.values())
-        assert len(owners) > 1 and not any(k.startswith("optim.") for k in manifest.tensors), manifest.tensors
-        ways = [(0, _restore(path)), (1, _restore(path)), (3, _restore(path)),
-                (2, _resize(results[0]["inspect"][1], [r["inspect"][2] for r in results]))]
-        runs = run_engines(2, [dict(spec, zero=zr.ZeroConfig(stage=stage), batches=batches[split:], setup=setup,
-                                    inspect=inspect) for stage, setup in ways])
-    for (stage, setup), (results, params) in zip(ways, runs):
+    results, _ = runs[("checkpoint-save",)]
+    infos = [r["inspect"][0] for r in results]
+    path = commit(root, split, {"layout": results[0]["inspect"][1]}, infos)
+    manifest = load_manifest(path)
+    owners = set(manifest.owned_keys.values())
+    assert len(owners) > 1 and not any(k.startswith("optim.") for k in manifest.tensors), manifest.tensors
+    ways = [(0, _restore(path)), (1, _restore(path)), (3, _restore(path)),
+            (2, _resize(results[0]["inspect"][1], [r["inspect"][2] for r in results]))]
+    continued = run_engines(2, [dict(CHECKPOINT_SPEC, zero=zr.ZeroConfig(stage=stage), batches=batches[split:],
+                                     setup=setup, inspect=inspect) for stage, setup in ways])
+    for (stage, setup), (results, params) in zip(ways, continued):
         how = f"{'resized' if setup.__name__ == 'resize' else 'restored'} to 2 workers, stage {stage}"
         try:
             assert_parity((ref[0][split:], None, ref[2]), results, params)

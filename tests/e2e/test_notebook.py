@@ -1,4 +1,8 @@
-"""examples/quickstart.ipynb, executed top to bottom in a real Jupyter kernel (nbclient).
+"""The README's headless notebook command (``jupyter execute examples/quickstart.ipynb``, "A
+notebook"), read from the README and run as that command runs it: nbclient (the library
+``jupyter execute`` is), the notebook's own kernel, its folder as the working directory, every cell
+top to bottom. This is the only place the command runs (.ci/run does not run it again), so the
+notebook also has its outputs checked.
 
 Between its cells the test also re-runs the cell that builds the Trainer, twice, and checks
 the number of live zeroray worker actors stays that of one Trainer: once through the cell's
@@ -10,21 +14,30 @@ fine) and the notebook's last cell shuts it down.
 """
 import importlib.util
 import json
-import os
 import re
+import shlex
 import time
 
 import pytest
+
+from tests.readme_commands import ROOT, ways_to_run, without_comment
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 if importlib.util.find_spec("ipykernel") is None:  # not imported here: it would make this process look like a kernel
     pytest.skip("needs ipykernel (the python3 Jupyter kernel)", allow_module_level=True)
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
-NOTEBOOK = os.path.join(EXAMPLES, "quickstart.ipynb")
-
 pytestmark = pytest.mark.slow
+
+
+def headless_notebook():
+    """The notebook the README's ``jupyter execute <notebook>`` line names, and that line has no
+    option this test would not apply as written."""
+    [command] = [c for c in ways_to_run()["A notebook"] if without_comment(c).startswith("jupyter execute")]
+    argv = shlex.split(without_comment(command))
+    assert len(argv) == 3 and argv[2].endswith(".ipynb"), argv
+    return ROOT / argv[2]
+
 
 # Live worker actors of this kernel's Ray, from the GCS actor table (ray.util.state needs the
 # dashboard, which zeroray's embedded Ray does not start). Polls: a kill is asynchronous.
@@ -57,9 +70,11 @@ def _stdout(cell):
 
 
 def test_quickstart_notebook():
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=600,
-                                     resources={"metadata": {"path": EXAMPLES}})
+    notebook = headless_notebook()
+    nb = nbformat.read(notebook, as_version=4)
+    # as `jupyter execute` builds its client (nbclient.cli): the kernel the notebook names, its folder
+    # as the working directory; the timeout only bounds a hung cell
+    client = nbclient.NotebookClient(nb, timeout=600, resources={"metadata": {"path": str(notebook.parent)}})
     build = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "zr.Trainer(" in c.source)
     cells = list(nb.cells)
     scratch = len(nb.cells)  # a slot past the notebook's cells for the test's own cells (nbclient stores them)

@@ -1,4 +1,4 @@
-"""The soak, short (benchmarks/soak.py is the long one): a fit of 160 steps with a snapshot after
+"""The soak, short (benchmarks/soak.py is the long one): a fit of 120 steps with a snapshot after
 every step, a warm spare, a checkpoint every 10 steps and worker 1 SIGKILLed twice, sampled every
 10 steps as the soak samples ([Note: sampling inside fit] in tests/soak_sampling.py).
 
@@ -12,8 +12,9 @@ What must hold, whatever the machine's load (no timings):
   returned; after shutdown its use is back to where it was before the trainer;
 - nothing is left: no actor (spares included), no placement group, no worker process;
 - the heaps (RssAnon) of the processes that live through the run grow by less than a quarter of
-  a snapshot shard per step (a gross leak; measured: under 3 MiB against a bound of about 24
-  MiB). The slopes per 1,000 steps are printed, not asserted: over 200 steps they are noise.
+  a snapshot shard per step (a gross leak; the bound grows with the steps between the warm-up's
+  end and the last sample). The slopes per 1,000 steps are printed, not asserted: over so few
+  steps they are noise.
 """
 import time
 
@@ -25,8 +26,10 @@ from tests.ray.test_faults import pid_gone, wait_for
 from tests.ray.test_shutdown import live_actors, live_placement_groups
 from tests.soak_sampling import MiB, Sampler, SoakData, format_slopes, format_table, slopes, store_figures
 
-STEPS, EVERY, WARMUP = 160, 10, 30
-KILLS = [(60, 1), (110, 1)]  # (step whose batch is asked for, rank): worker 1 dies twice
+# After the warm-up, the kills cut the samples into three stretches of 3 (steps 30-50, 60-80, 90-110):
+# each check compares samples within a stretch, or the stretches' last ones.
+STEPS, EVERY, WARMUP = 120, 10, 30
+KILLS = [(60, 1), (90, 1)]  # (step whose batch is asked for, rank): worker 1 dies twice
 FD_SLACK = 2  # measured: the driver's count moves by 1 between samples (a connection Ray opens and closes)
 CFG = gpt.GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2)  # 0.12M parameters: shards in plasma
 
