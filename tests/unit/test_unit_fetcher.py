@@ -144,3 +144,35 @@ def test_reads_are_seen_and_outside_a_step_a_sharded_read_raises():
     coord.remove()
     assert type(rig.model.a.weight) is torch.nn.Parameter  # plain again: the read is not seen
     assert rig.waiter.poll is None
+
+
+@pytest.mark.parametrize("short", ["prefix", "abort"])
+def test_a_micro_batch_short_of_the_plan_issues_its_rest_before_the_reductions(short):
+    # [Note: the plan's rest before the reductions]: when the engine launches the reductions
+    # (before_done_rounds), every gather of the plan is already issued, whether the events were
+    # a prefix of the trace (no backward) or the rank's code raised before its forward.
+    rig = build(PeerGroup(), persistent=False)
+    at_launch = []
+    gathers = lambda: sum(1 for channel, _, _ in rig.group.issued if channel is Channel.GATHER)  # noqa: E731
+    coord = UnitFetcher(rig.units, rig.gatherer, rig.group, rig.waiter, rig.hooked, rig.params,
+                        before_done_rounds=lambda: at_launch.append(gathers()),
+                        prefetch=False, prefetch_bytes=UNIT_BYTES, max_live_bytes=None, reuse_distance=0)
+    step(rig, coord)  # negotiates, records the trace (without prefetch, backward gathers again)
+    before = gathers()
+    step(rig, coord)  # follows it: the whole plan
+    plan = gathers() - before
+    assert plan > 0 and coord.schedule is not None
+    before = gathers()
+    coord.begin_step()
+    coord.begin_micro_batch(0)
+    if short == "prefix":
+        with torch.autograd.graph.saved_tensors_hooks(coord.pack, coord.unpack):
+            rig.model(torch.ones(2, 4))
+        coord.begin_backward()
+        coord.finish_backward()  # no backward ran: the events are a prefix of the trace
+    else:
+        coord.abort_micro_batch(0)  # before its forward
+    assert at_launch[-1] - before == plan
+    coord.end_micro_batch()
+    coord.end_step(failed=short == "abort", any_exit=bool(coord.status()[0]), agreed=False)
+    assert gathers() - before == plan and coord.phase is Phase.IDLE

@@ -31,6 +31,23 @@ kept, and such steps negotiate again). Without independent channels (NCCL) a ran
 leave the plan safely: it publishes the exit and raises ``UnrecoverableDivergence``; the
 others see the exit while they wait (``poll``) and raise too.
 
+[Note: the plan's rest before the reductions]
+A rank may end a followed micro-batch with part of the plan not yet issued, without leaving
+the plan: its events were a prefix of the trace (its rows left a module unused whose backward
+comes last, such as the first block's expert), or its code raised (``abort_micro_batch``). No
+exit is published then, so a peer still on the plan goes on waiting, without a round to
+answer, for the plan's next gathers, which only this rank's share completes. The rank also
+launches the reductions its backward left short of gradients (``_launch_before_done``), and
+a launch may wait, in a small bucket pool, for the reduction of an earlier bucket, which the
+peer launches only once its backward, blocked on those gathers, goes on: both wait until the
+collective timeout (the issue-41 fuzzer, seed 7700049; tests/dist/test_trace_prefix_small_buckets.py).
+So the rest of the plan is issued first: issuing a gather never waits for a peer (it is posted
+and completes on the channel's own thread, a dry one keeping nothing), and once every gather of
+the plan is posted, nothing the peer waits for depends on this rank's progress, so the
+reductions' waits end. The order of collectives stays the same on every rank: the gathers are
+the plan's, in its order on their channel, and the reductions the bucket plan's, on theirs.
+Over NCCL (no independent channels) the launch does nothing here (``before_done_rounds``).
+
 [Note: answering rounds outside zeroray]
 The waiter's poll answers a peer only while this rank waits inside zeroray. The user's code
 may block elsewhere: a collective of its own on torch.distributed's default group (a metric's
@@ -228,12 +245,13 @@ class UnitFetcher(Coordinator):
     @_exclusive
     def finish_backward(self) -> None:
         """Before the micro-batch's reductions are waited for: complete the fetch protocol."""
-        self._launch_before_done()
-        super().finish_backward()
         if self.mode is FetchMode.FOLLOW and self._pos != len(self.schedule):
-            # A prefix of the trace: nothing more to fetch, only the rest of the plan to take part in.
+            # A prefix of the trace: nothing more to fetch, only the rest of the plan to take part
+            # in, issued before the reductions ([Note: the plan's rest before the reductions]).
             self.records[-1].exited = True
             self._issue_rest_dry()
+        self._launch_before_done()
+        super().finish_backward()
         if self.mode is FetchMode.NEGOTIATE:
             self._finish_rounds(self.micro_batch)
 
@@ -243,11 +261,11 @@ class UnitFetcher(Coordinator):
         take part in every gather its peers still expect of it, and in their rounds."""
         if not self._began(micro_batch):
             self.begin_micro_batch(micro_batch)
+        if self.mode is FetchMode.FOLLOW:  # [Note: the plan's rest before the reductions]
+            self._issue_rest_dry()
         self._launch_before_done()
         super().abort_micro_batch(micro_batch)
-        if self.mode is FetchMode.FOLLOW:
-            self._issue_rest_dry()
-        elif self.mode is FetchMode.NEGOTIATE:
+        if self.mode is FetchMode.NEGOTIATE:
             self._finish_rounds(self.micro_batch)
 
     def _launch_before_done(self) -> None:
