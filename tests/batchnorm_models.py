@@ -104,7 +104,9 @@ class GatherBatchNorm(nn.Module):
         factor = 1.0 / self.num_batches_tracked.item() if self.momentum is None else self.momentum
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # deprecated in favour of functional collectives
-            rows = all_gather(x)
+            # the group named: all_gather's default is the WORLD of when torch imported it, stale
+            # in a process that ran under another default group before (the harness's runs)
+            rows = all_gather(x, group=dist.group.WORLD)
         out = F.batch_norm(torch.cat(rows), self.running_mean, self.running_var, self.weight, self.bias, True,
                            factor, self.eps)
         start = sum(r.shape[0] for r in rows[:dist.get_rank()])

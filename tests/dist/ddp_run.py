@@ -16,7 +16,8 @@ backward, so the gradient DDP averages is ``sum_p n_p / N * grad L_p``. A weight
 The micro-batches but the last run under ``no_sync``, as DDP's gradient accumulation does.
 
 Spec keys: ``model_fn``, ``loss_fn``, ``optimizer`` (``params -> torch optimizer``), ``batches``,
-and optionally ``accum`` (micro-batches per rank, 1) and ``seed`` (0). The run uses no zeroray
+and optionally ``accum`` (micro-batches per rank, 1), ``seed`` (0) and ``ddp_options`` (keyword
+arguments of ``DistributedDataParallel``: ``find_unused_parameters``, ``bucket_cap_mb``). The run uses no zeroray
 code: a bug there (an optimizer spec that builds the wrong optimizer, a batch split that drops
 rows or weighs them wrongly) would move DDP as far as zeroray and widen the bound with it, so
 the optimizer is a torch one the test builds and the rows are split and weighted here. The
@@ -76,7 +77,7 @@ def train_ddp(rank: int, world: int, port: int, spec: dict) -> dict:
     try:
         torch.manual_seed(spec.get("seed", 0))
         model = spec["model_fn"]()
-        ddp = DistributedDataParallel(model)
+        ddp = DistributedDataParallel(model, **spec.get("ddp_options", {}))
         spec.setdefault("kept", []).append(ddp)
         params = [p for p in model.parameters() if p.requires_grad]
         assert not hasattr(spec["optimizer"], "build"), "a DDP reference takes a torch optimizer, not zeroray's spec"

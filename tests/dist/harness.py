@@ -34,8 +34,9 @@ def _run_one(rank, world, port, spec, out_file, kept):
     if spec.get("runner"):  # a plain-torch reference, in the same processes (start-up is the cost)
         torch.save(spec["runner"](rank, world, port, spec), out_file)
         return
-    group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=120)
-    join_default_group(group, "gloo", 120)  # as the worker's setup does: torch.distributed for user code
+    timeout_s = spec.get("timeout_s", 120)  # a collective's bound: a test of a hang sets a short one
+    group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=timeout_s)
+    join_default_group(group, "gloo", timeout_s, rendezvous_timeout_s=120)  # as the worker's setup does
     if spec.get("host_staged"):  # several ranks on one GPU: collectives staged through the host
         from tests.staged_group import HostStagedGroup
 

@@ -15,7 +15,8 @@ asynchronously, but only in plan order (see [Note: collective order] in group.py
 reduction of one bucket overlaps the rest of backward. Buffers come from a small pool that
 is allocated once and reused every step; with ``max_inflight`` reductions in flight, a bucket
 waits for the oldest to finish rather than allocating a buffer (unless every buffer is still
-being filled: arrival order far from the plan). One in flight for full-size buckets, which
+being filled: arrival order far from the plan; nor in backward where the model's backward has
+collectives of its own: [Note: no wait in backward]). One in flight for full-size buckets, which
 keeps the pool at the paper's few C_B; two where buckets are cut small by the flush timeout
 (``timed=True``): a bucket's first gradient would otherwise wait for the reduction of the
 bucket just launched, in the middle of backward. Where buckets are sized from a model smaller
@@ -23,6 +24,28 @@ than ``bucket_bytes`` ([Note: first bucket] in bucket_plan.py), as many as fit i
 ``bucket_bytes`` (all of a small model's): the pool holds what one full-size bucket would,
 and backward never waits for a peer's progress through an earlier bucket. A fixed plan's first bucket is small (1 MiB,
 as DDP's), so that a reduction starts early in backward.
+
+[Note: no wait in backward]
+A wait for the oldest reduction inside backward (a hook taking a buffer from a full pool) is safe
+only while every peer launches that bucket without needing this rank first. Launches follow
+the plan order on every rank, so two ranks' bucket waits never wait on each other; but a
+peer launches a bucket one of whose parameters brought it no gradient only at the end of its
+backward (``finish``: a rank whose rows leave a layer unused), and a model whose backward
+issues collectives of its own (a synchronising SyncBatchNorm's all_reduce on the user's group,
+[Note: SyncBatchNorm on CPU] in engine/sync_batchnorm.py) stops a peer's backward until this
+rank issues the same collective. This rank, blocked on the bucket, never does: each waits for
+the other until the collective timeout (on NCCL, whose wait orders streams instead, the same
+cycle can form on the GPU streams). torch DDP's reducer never waits in backward (its buckets are the whole gradient), so it
+finishes. So with ``backward_collectives`` the pool never waits in backward: a bucket that
+finds no free buffer while the oldest reduction is still in flight gets a new buffer, past
+the bound; the pool keeps it for the next steps (``pool_size`` and ``buffer_bytes`` count it).
+The waits move to ``finish``, after this rank's own backward collectives are issued. A
+reduction already complete is still recycled first, so the pool grows only while reductions
+lag behind backward, at most to one buffer per bucket (the whole gradient, as DDP's buckets).
+Without collectives in backward (the common case) the pool waits, and keeps its bound. The
+engine knows the collectives of SyncBatchNorm modules; a user's own collective inside an
+autograd function's backward (``torch.distributed.nn.functional``) is not seen, and such a
+model with buckets smaller than the model and layers some ranks leave unused can still hang.
 
 In a negotiated stage-3 step (fetch/negotiate.py) over a backend without independent channels
 (NCCL), ``hold_until_finish`` keeps every launch for ``finish``, after the agreement rounds, so the
@@ -83,14 +106,16 @@ class GradBuckets:
 
     def __init__(self, layout: FlatLayout, group: Group, target: torch.Tensor, *,
                  mode: ReduceMode, bucket_bytes: int, dtype: torch.dtype, unit_order: Sequence[int],
-                 timed: bool = False, wait: Optional[Callable] = None) -> None:
+                 timed: bool = False, wait: Optional[Callable] = None, backward_collectives: bool = False) -> None:
         """``wait``: how a reduction is waited for (the engine's polling waiter, comm/waiter.py;
-        by default the handle's own wait)."""
+        by default the handle's own wait). ``backward_collectives``: the model's backward issues
+        collectives of its own, so the pool never waits in backward ([Note: no wait in backward])."""
         assert isinstance(mode, ReduceMode), mode
         self.layout, self.group, self.target, self.mode, self.dtype = layout, group, target, mode, dtype
         self.rows = group.world_size if mode is ReduceMode.REDUCE_SCATTER else 1
         self.unit_order = list(unit_order)
         self.timed = timed
+        self.backward_collectives = backward_collectives
         self.unit_columns = {u.index: self._row(u)[0] for u in layout.units}
         self.column_bytes = self.rows * torch.tensor([], dtype=dtype).element_size()
         self.model_bytes = sum(self.unit_columns.values()) * self.column_bytes
@@ -198,11 +223,12 @@ class GradBuckets:
         self._unit_count: Dict[int, int] = {}
         self._opened: Dict[int, float] = {}  # bucket -> its first tensor's arrival
 
-    def _acquire(self, bucket: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _acquire(self, bucket: int, in_backward: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         if bucket in self._bufs:
             return self._bufs[bucket]
-        if not self._free and len(self._inflight) >= self.max_inflight:
-            self._complete_oldest()
+        if not self._free and len(self._inflight) >= self.max_inflight and not (
+                in_backward and self.backward_collectives and not self._inflight[0][1].is_completed()):
+            self._complete_oldest()  # else a new buffer: [Note: no wait in backward]
         if self._free:
             inp, out = self._free.pop()
         else:
@@ -234,7 +260,7 @@ class GradBuckets:
                 current = c.bucket
                 if c.bucket not in self._opened:
                     self._opened[c.bucket] = time.perf_counter()
-            inp, _ = self._acquire(c.bucket)
+            inp, _ = self._acquire(c.bucket, in_backward=True)
             inp[c.dst:c.dst + c.length].copy_(flat[c.src:c.src + c.length])
         if current is not None:
             self._arrived(current, name)
@@ -261,7 +287,7 @@ class GradBuckets:
             return
         while self._next_launch < len(self.buckets) and (force or self._pending[self._next_launch] == 0):
             b = self._next_launch
-            inp, out = self._acquire(b)
+            inp, out = self._acquire(b, in_backward=not force)  # forced: after backward (finish, launch_all)
             if self._pending[b]:  # launched at the end: a parameter with no gradient here counts as zero
                 for name, ranges in self._dsts[b].items():
                     if (b, name) not in self._seen:

@@ -101,7 +101,7 @@ class Engine:
         self.reducer = GradBuckets(self.layout, group, self.grad, mode=policy.reduce,
                                    bucket_bytes=zero.base_bucket_bytes, dtype=TORCH_DTYPES[zero.reduce_dtype_name],
                                    unit_order=default_unit_order(self.layout), timed=zero.buckets_planned,
-                                   wait=self.waiter)
+                                   wait=self.waiter, backward_collectives=sync_batchnorm.synchronises(self.model))
         # before any user callback (param_groups) may read a parameter
         self.coordinator, unit_events = build_coordinator(policy, zero, self.model, self.layout, s.units, s.gatherer,
                                                           group, self.waiter, named, self.reducer)

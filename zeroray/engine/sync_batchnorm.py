@@ -34,7 +34,9 @@ initialises for user code ([Note: torch.distributed in user code] in comm/user_g
   every collective (its sums are zero).
 
 A rank's collectives depend only on the module calls and on whether the input needs a
-gradient, the same on every rank, so they stay in one order across ranks as torch's do. The
+gradient, the same on every rank, so they stay in one order across ranks as torch's do. A
+peer inside the backward's all_reduce waits for this rank to reach it, so the gradient buckets
+of such a model never wait in backward ([Note: no wait in backward] in comm/buckets.py). The
 forward is swapped as an instance attribute (engine/forwards.py), before mixed precision wraps
 the fp32 modules (a SyncBatchNorm is a ``_BatchNorm`` with running statistics: it computes in
 fp32, its inputs cast in and its output cast back, [Note: mixed precision] in precision.py),
@@ -62,6 +64,13 @@ def install(model: torch.nn.Module, device: torch.device) -> Callable[[], None]:
                 originals.append(own_forward(module))
                 module.forward = _cpu_forward(module, module.forward)
     return restorer(originals)
+
+
+def synchronises(model: torch.nn.Module) -> bool:
+    """Whether a SyncBatchNorm of ``model`` synchronises in training, on any device: then the
+    model's backward issues collectives of its own (one all_reduce per module), and the gradient
+    buckets never wait in backward ([Note: no wait in backward] in comm/buckets.py)."""
+    return any(isinstance(m, torch.nn.SyncBatchNorm) and _sync_group(m) is not None for m in model.modules())
 
 
 def _sync_group(module: torch.nn.SyncBatchNorm) -> Optional[Any]:
