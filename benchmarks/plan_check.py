@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -185,8 +186,10 @@ class Calibration:
     model only ([Note: held-out split]); ``cluster`` builds a row's cluster from it and the row's
     model and single-process floor."""
 
-    def __init__(self, m: dict, q: float, cores: float, model: str = CALIBRATION_MODELS[0]) -> None:
+    def __init__(self, m: dict, q: float, cores: float, model: str = CALIBRATION_MODELS[0],
+                 busy_overlap: Optional[float] = None) -> None:
         self.m, self.q, self.cores, self.model = m, q, cores, model
+        self.busy_overlap_given = busy_overlap  # a what-if reading (--busy-overlap), not a calibration
         solo = m.get("engine_solo", {})
         self.engine = {s: solo_ratio(solo[model], s, q) for s in range(4)} if model in solo else {}
         self.worlds = sorted({int(k.split("/")[1]) for k in m["steps"]})
@@ -228,7 +231,9 @@ class Calibration:
     def busy_overlap(self, world: int) -> float:
         """The share of a collective hidden beside the compute with every core busy, as measured
         (plan_measure's ``overlap``, clipped to [0, 1]), or without the measurement 1: the overlap of
-        any cluster ([Note: hardware presets])."""
+        any cluster ([Note: hardware presets]); ``--busy-overlap`` replaces either (a what-if)."""
+        if self.busy_overlap_given is not None:
+            return self.busy_overlap_given
         o = self.overlap(world)
         return min(1.0, max(0.0, o["overlap"])) if o else 1.0
 
@@ -251,7 +256,10 @@ class Calibration:
                          f"({c['contention']:.3f}x beyond the share {c['share']:g}), the slowest {c['straggler']:.3f}x")
             line += "; fixed per-step cost " + "/".join(f"{self.overhead[(world, s)] * 1e3:.0f}" for s in range(4)) + " ms"
             print(line)
-        for world in self.worlds:
+        if self.busy_overlap_given is not None:
+            print(f"  gloo beside the compute with every core busy: {self.busy_overlap_given:g} of the shorter hidden, "
+                  "GIVEN (--busy-overlap: a what-if, not this machine's calibration)")
+        for world in self.worlds if self.busy_overlap_given is None else ():
             o, raw = self.overlap(world), self.m.get("overlap", {}).get(str(world))
             print(f"  {world} workers, gloo beside the compute with every core busy: " +
                   (f"{o['overlap']:.2f} of the shorter hidden (step {o['compute_s'] * 1e3:.0f} ms, reduce-scatter of "
@@ -266,7 +274,7 @@ class Calibration:
             print("  the engine's single-process step: not measured (`--measure-only engine_solo` adds it)")
 
 
-def cpu(path: str, q: float = 0.5, without: tuple = ()) -> bool:
+def cpu(path: str, q: float = 0.5, without: tuple = (), busy_overlap: Optional[float] = None) -> bool:
     """This machine: zr.Trainer steps of stages 0-3 at each world size against the replay on a cluster
     built from the calibration set ([Note: held-out split]); the held-out models' rows are checks."""
     if not os.path.exists(path):
@@ -280,7 +288,7 @@ def cpu(path: str, q: float = 0.5, without: tuple = ()) -> bool:
     cores = float(m["machine"]["cpus"])
     m["overhead"] = {k: at_quantile(rec, q) for k, rec in m["overhead"].items()}
     m["steps"] = {k: at_quantile(rec, q) for k, rec in m["steps"].items()}
-    cal = Calibration(m, q, cores)
+    cal = Calibration(m, q, cores, busy_overlap=busy_overlap)
     load = m["machine"]
     spreads, flops_only = [], []
     for key, rec in m["steps"].items():
@@ -319,7 +327,7 @@ def cpu(path: str, q: float = 0.5, without: tuple = ()) -> bool:
 
 # fits.py's runs (benchmarks/README.md, "Optimizer state on disk"): 2 workers, GPT d_model 512, 8 heads, 64
 # tokens x 2 sequences per worker, AdamW, a 1000 MB cap on each worker's peak RSS. Per row: the file, the
-# in-memory row (calibration) and the offload="disk" row (the check). The stage-3 fp32 offload row is today's
+# in-memory row (calibration) and the offload="disk" row (the check). The stage-3 fp32 offload row is that fix's
 # code, measured alone (fits.py --offload-only) beside the in-memory row of the earlier run, whose code the change
 # to the disk stepper ([Note: fresh state off the heap] in zeroray/offload/stepper.py) left as it was; it replaced
 # that run's two fp32 offload rows. The stage-3 bf16 offload row predates that change and was not re-measured.
@@ -415,6 +423,9 @@ def main(argv=None) -> int:
                    help="CPU rows: compare this quantile of the measured steps, the floor's included (default 0.5, "
                         "the median; on a loaded machine a low one is the least-disturbed estimate of both sides)")
     p.add_argument("--workers", default="2,3", help="--measure: world sizes")
+    p.add_argument("--busy-overlap", type=float, default=None, metavar="SHARE",
+                   help="CPU rows, a what-if: the share of a collective hidden beside the compute with every core "
+                        "busy, in place of the measured one (or 1 unmeasured); 0: none hidden")
     args = p.parse_args(argv)
     import plan_measure
 
@@ -440,7 +451,7 @@ def main(argv=None) -> int:
                              rounds=args.rounds, steps=args.steps, warmup=args.warmup, out=path)
     published()
     h200()
-    measured = cpu(path, args.quantile, tuple(x for x in args.without.split(",") if x))
+    measured = cpu(path, args.quantile, tuple(x for x in args.without.split(",") if x), args.busy_overlap)
     fits_offload()
     print_table("CHECKS (counted)", CHECKS)
     print_table("CALIBRATION (the inputs' sources and rows that cannot fail: never counted)", CALIBRATION)

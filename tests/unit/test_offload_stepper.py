@@ -194,6 +194,27 @@ def test_master_on_disk_equals_master_in_memory(tmp_path, name, chunk_bytes, tar
         target.close()
 
 
+def test_an_fp32_shard_update_is_written_from_the_slot(tmp_path):
+    """fp32 at stage 3: the step writes each updated chunk into the shard's file straight from the
+    stepper's slot, which it leaves as it is until the write ends, not from a copy (a chunk more
+    memory for each write in flight, at the step's peak); in bf16 the cast needs its buffer. The
+    parameters stay those of the in-memory master (test_master_on_disk_equals_master_in_memory)."""
+    copies = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        opt, master, shard = _master_on_disk(SPECS["adamw_fused"], tmp_path, dtype=dtype, shard_on_disk=True)
+        made = []
+        empty = shard._empty
+        shard._empty = lambda numel: made.append(numel) or empty(numel)  # counts the buffers it makes
+        _run(opt, 3)
+        copies[dtype] = sum(made)
+        ref = _optimizer(SPECS["adamw_fused"])
+        _run(ref, 3)
+        assert torch.equal(shard.cpu(), ref.master.to(dtype))
+        opt.close()
+    assert copies[torch.float32] == 0, copies
+    assert copies[torch.bfloat16] >= 3 * N, copies  # one cast per updated element and step
+
+
 def test_master_on_disk_export_import(tmp_path):
     """An export reads the master from its file; an import writes it there and casts it into
     the parameters, and the run continues exactly as the in-memory one."""

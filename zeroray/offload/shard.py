@@ -141,12 +141,19 @@ class DiskShard:
 
     # --- what the optimizer step and an import write ----------------------------------------
 
-    def write(self, a: int, src: torch.Tensor) -> Future:
+    def write(self, a: int, src: torch.Tensor, held: bool = False) -> Future:
         """Cast the 1D ``src`` (the updated fp32 master) over elements [a, a + src.numel()) and
-        start writing it; the write's future (the step waits for it before reusing its slots)."""
+        start writing it; the write's future (the step waits for it before reusing its slots).
+        ``held``: the caller leaves ``src`` as it is until that future ends (the disk stepper's
+        slot), so in the shard's own dtype (fp32) it is written from ``src``, not from a copy
+        ([Note: fresh state off the heap] in offload/stepper.py: a copy was a chunk more memory
+        for each write in flight, at the step's peak)."""
         self.ahead.clear()  # read before this write: perhaps stale
-        with torch.no_grad():
-            buf = self._empty(src.numel()).copy_(src)  # a publish's cast
+        if held and src.dtype == self.dtype and src.is_contiguous():
+            buf = src.detach()
+        else:
+            with torch.no_grad():
+                buf = self._empty(src.numel()).copy_(src)  # a publish's cast
         future = self.files.write(PARAMS, a, buf)
         self.pending = [*self._pending(), future]
         return future

@@ -234,7 +234,9 @@ class DiskStepper:
                                          slot, stateful[id(pc.param)])
                 writes[i] = [self.files.write(k, a, state.pop(k)) for k in self.keys if k in state]
                 if self.target is not None:  # the update, into the memory compute reads (cast as a publish casts)
-                    cast = self.target.write(a, slot[MASTER][:b - a])
+                    # the slot stays as it is until this write ends (chunk i + 2 waits for it)
+                    cast = self.target.write(a, slot[MASTER][:b - a], held=True) \
+                        if isinstance(self.target, DiskShard) else self.target.write(a, slot[MASTER][:b - a])
                     if cast is not None:  # the parameter shard on disk: its write ([Note: parameter shard on disk])
                         writes[i].append(cast)
                     if not self.shared:  # (shared: that write was the master's)
