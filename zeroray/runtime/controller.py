@@ -16,14 +16,13 @@ Every change of state goes through the one table of moves (``TRANSITIONS`` in tr
 through ``self.states``), close and recovery included. A call that its state does not allow (``step`` from inside a ``fit``
 callback, anything after ``close``) is a ``RuntimeError`` that says what the trainer is doing.
 The failure and scaling policies (policy.py) return decisions to ``recover``, which acts on
-them. ``fit`` (fit_loop.py) and Ray Data input (data.py) drive it through these public
-methods: ``submit_step`` / ``submit_local_step`` send a step without waiting, ``finish_step``
-collects it, ``discard`` drops steps that must not count; ``in_flight`` says how many were sent
-and not yet collected.
+them. Every step goes through its ``StepPipeline`` ([Note: one step pipeline] in pipeline.py):
+``step`` sends one and collects it; ``fit`` (fit_loop.py) and Ray Data input (data.py) keep
+steps in flight through ``controller.pipeline`` while the Trainer is FITTING.
 
-The Controller is the only writer of its state: the step count, the data position (a step
+The Controller owns its state: the position (the step count, and the data position: a step
 collected while FITTING consumed one global batch of fit's data; ``begin_fit``, ``load``,
-recovery and ``seek`` set it), the last checkpoint, the group.
+recovery and ``seek`` set it, the pipeline advances it), the last checkpoint, the group.
 
 [Note: failed saves]
 A save that cannot be written (a full disk, a storage that refuses a write, on a worker or on
@@ -40,43 +39,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ray
 
 from zeroray.layout.arena import FlatLayout
 from zeroray.config import ScalingConfig, ZeroConfig
-from zeroray.engine.batch import batch_size, split_batch
 from zeroray.engine.optim_record import merge_parts
-from zeroray.runtime.batch_transport import PackedBatch
 from zeroray.runtime.code_shipping import ship_by_value
-from zeroray.runtime.data import evaluation_batches
 from zeroray.runtime.failures import PlacementError, WorkerSetupError, is_worker_failure
-from zeroray.runtime.messages import WorkerSpec
+from zeroray.runtime.records import RecoveryRecord, WorkerSpec
 from zeroray.runtime.optimizer_restore import LoadPlan, RestoreChoice, plan_load
 from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
-from zeroray.runtime.sequencer import Cancelled
+from zeroray.runtime.pipeline import GroupSlot, Position, StepPipeline
 from zeroray.runtime.snapshot import Snapshot, SnapshotKeeper
-from zeroray.runtime.step import PendingStep, StepResult
-from zeroray.runtime.trainer_state import SHUT_DOWN, StateMachine, TrainerState
+from zeroray.runtime.step import StepResult
+from zeroray.runtime.trainer_state import StateMachine, TrainerState
 from zeroray.runtime.worker_group import WorkerGroup
 
 log = logging.getLogger("zeroray")
-
-
-class GroupSlot:
-    """The one live WorkerGroup of a trainer; what the trainer's finalizer releases."""
-
-    def __init__(self) -> None:
-        self.group: Optional[WorkerGroup] = None
-
-    def release(self) -> None:
-        group, self.group = self.group, None
-        # Ray down (its atexit hook ran): calling into it would start a new local Ray ([Note:
-        # releasing at exit] in trainer.py); the actors went with the cluster or with their owner.
-        if group is not None and ray.is_initialized():
-            group.shutdown()
 
 
 class Controller:
@@ -88,14 +69,12 @@ class Controller:
         self.spares = spares  # warm spare actors per group ([Note: replace, don't restart] in worker_group.py)
         self.slot = GroupSlot()
         self.states = StateMachine()              # what the trainer is doing: its only writer
-        self.step_count = 0
-        self.data_position = 0                     # global batches consumed from fit's data
+        self.position = Position()                 # the step count and fit's data position
+        self.pipeline = StepPipeline(self.slot, zero, self.states, self.position)  # the steps in flight
         self.last_checkpoint: Optional[str] = None
         self.last_checkpoint_step: Optional[int] = None  # the step last_checkpoint holds
-        self.snapshots = SnapshotKeeper(None)     # fit: the newest in-memory snapshot ([Note: in-memory snapshots])
         self.last_recovery_s: Optional[float] = None  # fit: seconds from a worker failure to resuming
-        self.recoveries: List[Dict[str, Any]] = []    # fit: one record per restart (cause, timing, size)
-        self.in_flight = 0                         # steps sent and not yet collected
+        self.recoveries: List[RecoveryRecord] = []    # fit: one record per restart (cause, timing, size)
         self._fit_origin = (0, 0)                  # (step_count, data_position) where this fit began
         # what the optimizer was built from and which of it was given: Trainer.restore's choice,
         # which every load of a checkpoint follows ([Note: restoring the optimizer] in optimizer_restore.py)
@@ -112,9 +91,19 @@ class Controller:
 
     @property
     def group(self) -> WorkerGroup:
-        if self.slot.group is None:
-            raise RuntimeError(SHUT_DOWN)
-        return self.slot.group
+        return self.slot.get()
+
+    @property
+    def step_count(self) -> int:
+        return self.position.step_count
+
+    @property
+    def data_position(self) -> int:
+        return self.position.data_position
+
+    @property
+    def snapshots(self) -> SnapshotKeeper:
+        return self.pipeline.snapshots
 
     @property
     def num_workers(self) -> int:
@@ -133,7 +122,7 @@ class Controller:
     def close(self) -> None:
         """Release the actors and the placement group (any state -> CLOSED). Safe to call twice."""
         self.states.enter(TrainerState.CLOSED)
-        self.in_flight = 0
+        self.pipeline.forget()
         self.slot.release()
 
     def seek(self, position: int) -> None:
@@ -142,7 +131,7 @@ class Controller:
             raise ValueError(f"data_position={position!r} must be an integer >= 0 (global batches of fit's data)")
         if self.state is not TrainerState.IDLE:
             raise RuntimeError(f"data_position can be set only while the Trainer is idle, not {self.state.value}")
-        self.data_position = position
+        self.position.set(data_position=position)
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -150,91 +139,10 @@ class Controller:
         """One step on a global batch, collected before returning (IDLE -> STEPPING -> IDLE)."""
         self.states.enter(TrainerState.STEPPING)
         try:
-            return self.finish_step(self.submit_step(batch))
+            self.pipeline.send(batch)
+            return self.pipeline.collect()
         finally:
             self.states.leave(TrainerState.STEPPING)
-
-    def _check_batch(self, batch: Any) -> int:
-        """The global batch's rows: at least one per micro-batch of every worker ([Note: uneven
-        splits] in engine/batch.py)."""
-        size = batch_size(batch)
-        parts = self.num_workers * self.zero.grad_accum_steps
-        if size < parts:
-            raise ValueError(
-                f"the global batch has {size} rows, fewer than {self.num_workers} worker(s) x "
-                f"{self.zero.grad_accum_steps} micro-batch(es): every micro-batch of every worker needs at least "
-                f"one row; use a global batch of at least {parts} rows")
-        return size
-
-    def _require_stepping(self) -> None:
-        if self.state not in (TrainerState.STEPPING, TrainerState.FITTING):
-            raise RuntimeError(f"steps are sent by step() or fit(), not while the Trainer is {self.state.value}")
-
-    def submit_step(self, batch: Any, *, after_ok: bool = False, tokens: Optional[int] = None) -> PendingStep:
-        """Send one step on a global batch to every worker without waiting for it.
-
-        ``after_ok``: the step runs only if the call sent before it succeeded (a step queued
-        behind another is dropped when that one fails; see sequencer.py)."""
-        self._require_stepping()
-        rows = self._check_batch(batch)
-        shards = [PackedBatch(s) for s in split_batch(batch, self.num_workers)]  # [Note: batch transport]
-        submitted = time.time()
-        refs = self.group.call_each("train_step", [(s, rows) for s in shards], after_ok=after_ok)
-        self.in_flight += 1
-        number = self.step_count + self.in_flight
-        return PendingStep(refs, submitted, number, tokens, snapshot=self._snapshot_after(number))
-
-    def submit_local_step(self, *, after_ok: bool = False, tokens: Optional[int] = None) -> PendingStep:
-        """Send one step on every worker's next batch of its attached Ray Data split (data.py)."""
-        self._require_stepping()
-        submitted = time.time()
-        refs = self.group.call("train_next", after_ok=after_ok)
-        self.in_flight += 1
-        number = self.step_count + self.in_flight
-        return PendingStep(refs, submitted, number, tokens, snapshot=self._snapshot_after(number))
-
-    def _snapshot_after(self, number: int) -> Optional[Snapshot]:
-        """fit: the snapshot call numbered right behind the step that ends at ``number``, when one
-        is due; see [Note: in-memory snapshots] in snapshot.py."""
-        if self.state is not TrainerState.FITTING or not self.snapshots.due(number):
-            return None
-        per_rank = self.group.call("snapshot_shard", after_ok=True, num_returns=3)
-        return Snapshot(layout=self.layout.to_dict(), shards=[r[0] for r in per_rank], untrained=per_rank[0][1],
-                        records=[r[2] for r in per_rank])
-
-    def finish_step(self, pending: PendingStep) -> Optional[StepResult]:
-        """Wait for a sent step. Its StepResult; None when it did not run (its split had run out,
-        or it was cancelled). Raises what the step raised (see worker_group.wait_all)."""
-        try:
-            outs = self.group.wait_all(pending.refs, self.zero.collective_timeout_s + 60,
-                                       f"step {pending.number - 1}", lockstep=True)
-        finally:
-            self.in_flight -= 1
-        ran = [o is not None and not isinstance(o, Cancelled) for o in outs]
-        if not any(ran):
-            return None
-        if not all(ran):  # equal=True splits and the step outcome make this impossible
-            raise RuntimeError(f"step {pending.number - 1} ran on some workers only: {outs}")
-        result = PendingStep.combine(outs)
-        self.step_count = result.step
-        if self.state is TrainerState.FITTING:  # a fit's step consumed one global batch ([Note: data replay])
-            self.data_position += 1
-        if pending.snapshot is not None:  # its export ran right behind the step: wait for the small records
-            records = self.group.wait_all(pending.snapshot.records, self.zero.collective_timeout_s + 60,
-                                          f"snapshot of step {result.step}", independent=True)
-            if any(r["step"] != result.step for r in records):
-                raise RuntimeError(f"the snapshot behind step {result.step} holds steps "
-                                   f"{[r['step'] for r in records]}: a zeroray bug")
-            self.snapshots.promote(pending.snapshot, result.step, self.data_position)
-            self.group.hold_copies(pending.snapshot.shards)  # [Note: buddy copies] in snapshot.py
-        result.timeline = {"submit": pending.submitted_at, **outs[0].hops.as_dict(), "receive": time.time()}
-        return result
-
-    def discard(self, pending: Sequence[PendingStep], timeout_s: float = 10.0) -> None:
-        """Forget steps sent behind a failed one: they were cancelled, or their group is gone.
-        Waits for them briefly, so none is still queued when the caller goes on."""
-        self.in_flight = max(0, self.in_flight - len(pending))
-        _wait_quietly([ref for p in pending for ref in p.refs], timeout_s)
 
     # --- evaluation and inference ([Note: inference calls] in engine/inference.py) ---------------------
 
@@ -243,62 +151,16 @@ class Controller:
         """IDLE -> EVALUATING -> IDLE: see Trainer.evaluate."""
         self.states.enter(TrainerState.EVALUATING)
         try:
-            return self._evaluate(data, metric_fn, dataset_batch_size)
+            return self.pipeline.evaluate(data, metric_fn, dataset_batch_size)
         finally:
             self.states.leave(TrainerState.EVALUATING)
 
     def evaluate_in_fit(self, data: Any, metric_fn: Optional[Callable],
                         dataset_batch_size: Optional[int]) -> Dict[str, float]:
         """fit's evaluation, between complete steps: FITTING, with no step in flight."""
-        if self.state is not TrainerState.FITTING or self.in_flight:
-            raise RuntimeError(f"fit evaluates between complete steps only (the Trainer is {self.state.value}, "
-                               f"{self.in_flight} step(s) in flight): a zeroray bug")
-        return self._evaluate(data, metric_fn, dataset_batch_size)
-
-    def _evaluate(self, data: Any, metric_fn: Optional[Callable], dataset_batch_size: Optional[int]
-                  ) -> Dict[str, float]:
-        """Every global batch split over the workers; per batch the mean over workers of what each
-        reported, weighted by their rows (the plain mean when they are equal: [Note: uneven splits]
-        in engine/batch.py), then the mean over batches. Two batches in flight, as fit keeps steps."""
-        group, n = self.group, self.num_workers
-        metric_ref = ray.put(metric_fn)  # sent once, not with every batch
-        sums: Dict[str, float] = {}
-        counts: Dict[str, int] = {}
-        pending: Deque[Tuple[int, List[int], List[Any]]] = deque()
-
-        def collect(index: int, rows: List[int], refs: List[Any]) -> None:
-            outs = group.wait_all(refs, None, f"evaluate (batch {index})")
-            if any(set(o) != set(outs[0]) for o in outs):
-                raise ValueError(f"evaluate: metric_fn returned other names on other workers for batch {index}: "
-                                 f"{[sorted(o) for o in outs]}; return the same names on every worker")
-            for key in outs[0]:
-                if len(set(rows)) == 1:
-                    value = sum(o[key] for o in outs) / n
-                else:
-                    value = sum(o[key] * r for o, r in zip(outs, rows)) / sum(rows)
-                sums[key] = sums.get(key, 0.0) + value
-                counts[key] = counts.get(key, 0) + 1
-
-        try:
-            for index, batch in enumerate(evaluation_batches(data, dataset_batch_size)):
-                size = batch_size(batch)
-                if size < n:
-                    raise ValueError(f"evaluate: batch {index} has {size} rows, fewer than the {n} workers: every "
-                                     f"worker needs at least one row; use batches of at least {n} rows")
-                parts = split_batch(batch, n)
-                rows = [batch_size(p) for p in parts]
-                shards = [PackedBatch(s) for s in parts]  # [Note: batch transport]
-                pending.append((index, rows, group.call_each("evaluate", [(s, metric_ref) for s in shards])))
-                if len(pending) == 2:
-                    collect(*pending.popleft())
-            while pending:
-                collect(*pending.popleft())
-        except BaseException:
-            _wait_quietly([ref for _, _, refs in pending for ref in refs], 10.0)
-            raise
-        if not counts:
-            raise ValueError("evaluate: the data held no batches")
-        return {key: sums[key] / counts[key] for key in sums}
+        if self.state is not TrainerState.FITTING:
+            raise RuntimeError(f"fit evaluates while the Trainer is fitting, not {self.state.value}: a zeroray bug")
+        return self.pipeline.evaluate(data, metric_fn, dataset_batch_size)
 
     def run(self, fn: Callable, args: Tuple[Any, ...]) -> Any:
         """IDLE -> RUNNING -> IDLE: see Trainer.run."""
@@ -315,9 +177,9 @@ class Controller:
         """IDLE -> FITTING: the fit's data starts at ``skip`` (default: the current data position);
         every ``snapshot_every`` steps an in-memory snapshot ([Note: in-memory snapshots])."""
         self.states.enter(TrainerState.FITTING)
-        self.snapshots = SnapshotKeeper(snapshot_every)
+        self.pipeline.snapshots = SnapshotKeeper(snapshot_every)
         self.group.keep_survivors = self._replaceable()
-        self.data_position = self.data_position if skip is None else skip
+        self.position.set(data_position=skip)
         self._fit_origin = (self.step_count, self.data_position)
 
     def end_fit(self) -> None:
@@ -378,10 +240,12 @@ class Controller:
         self.states.leave(TrainerState.RECOVERING, TrainerState.FITTING)
         resumed = time.monotonic()
         self.last_recovery_s = resumed - detected
-        self.recoveries.append({"cause": f"{type(error).__name__}: {error}", "detected_at": detected,
-                                "resumed_at": resumed, "seconds": resumed - detected, "step": self.step_count,
-                                "redone_steps": max(0, applied - self.step_count),
-                                "num_workers": self.num_workers, "attempts": attempts, **timings})
+        mode, restored_from = timings.pop("mode"), timings.pop("restored_from")
+        self.recoveries.append(RecoveryRecord(
+            cause=f"{type(error).__name__}: {error}", detected_at=detected, resumed_at=resumed,
+            seconds=resumed - detected, step=self.step_count, redone_steps=max(0, applied - self.step_count),
+            num_workers=self.num_workers, attempts=attempts, mode=mode, restored_from=restored_from,
+            details=timings))
         note(f"zeroray: resumed at step {self.step_count} with {self.num_workers} worker(s), "
              f"{self.last_recovery_s:.1f} s after the failure was detected")
 
@@ -392,7 +256,7 @@ class Controller:
         policy allows ([Note: shrink in memory]); otherwise, or when they cannot be built, restart
         the whole group."""
         t0 = time.monotonic()
-        self.in_flight = 0
+        self.pipeline.forget()
         timeout_s = self.scaling.placement_timeout_s
         try:
             timings: Dict[str, Any] = {"mode": "replace", **self.group.replace(self.spec, timeout_s)}
@@ -413,7 +277,7 @@ class Controller:
         Returns the seconds spent in each phase."""
         t0 = time.monotonic()
         self.slot.release()
-        self.in_flight = 0
+        self.pipeline.forget()
         decision = scaling.on_restart(*_free_resources(scaling))
         if decision.action is Action.RESIZE:
             note(f"zeroray: {decision.reason}")
@@ -449,15 +313,14 @@ class Controller:
                                    "CheckpointConfig(path=..., every_steps=...) so fit can recover.")
             # One global batch per step since fit began; a checkpoint from before this fit recorded
             # its position in other data, so the position is counted from the fit's origin.
-            self.data_position = origin_position + self.step_count - origin_step
+            self.position.set(data_position=origin_position + self.step_count - origin_step)
         else:
             if origin_step != 0:
                 raise RuntimeError(f"a worker failed ({reason}) and there is no checkpoint to resume from: the run "
                                    f"had already trained {origin_step} steps before fit began. Set "
                                    "CheckpointConfig(path=..., every_steps=...) so fit can recover.")
             # No checkpoint yet: the fresh workers hold the initial weights (same seed); start over.
-            self.step_count = 0
-            self.data_position = origin_position
+            self.position.set(0, origin_position)
         timings["restore_s"] = time.monotonic() - t2
         return timings
 
@@ -480,7 +343,7 @@ class Controller:
         None when loaded; what was lost otherwise, with the group still usable (no collective ran)."""
         from zeroray.runtime.snapshot import needed_ranks
 
-        group, old_layout = self.group, FlatLayout.from_dict(snap.layout)
+        group, old_layout = self.group, snap.layout
         args = []
         for info in group.setup_info:
             needed = set(needed_ranks(old_layout, info.resize_target()))
@@ -494,7 +357,7 @@ class Controller:
         steps = group.wait_all(group.call("apply_snapshot"), None, "restore the in-memory snapshot")
         if steps[0] != snap.step:
             raise RuntimeError(f"the in-memory snapshot of step {snap.step} loaded as step {steps[0]}: a zeroray bug")
-        self.step_count, self.data_position = snap.step, snap.data_position
+        self.position.set(snap.step, snap.data_position)
         return None
 
     # --- checkpoints -----------------------------------------------------------------------
@@ -510,12 +373,12 @@ class Controller:
         try:
             # Independent writes: one worker's failed write does not leave the others out of step.
             outs = group.wait_all(group.call("save_shard", root, self.step_count), None, "save", independent=True)
-            infos = [o[0] for o in outs] + [o[1] for o in outs if o[1] is not None]
+            infos = [o.shard for o in outs] + [o.extra for o in outs if o.extra is not None]
             fields = ManifestFields(layout=self.layout, data_position=self.data_position,
                                     config={"zero": repr(self.zero), "scaling": repr(self.scaling),
                                             "seed": self.spec.seed},
                                     extra={"state_dict_keys": self.state_dict_keys},
-                                    optimizer=merge_parts([o[2] for o in outs], self.spec.optimizer,
+                                    optimizer=merge_parts([o.optimizer.record for o in outs], self.spec.optimizer,
                                                           self.spec.param_groups))
             self.last_checkpoint = commit(root, self.step_count, fields, infos, keep=keep)
             self.last_checkpoint_step = self.step_count
@@ -547,8 +410,7 @@ class Controller:
         group = self.group
         plan = self._optimizer_plan(manifest, step_dir)
         steps = group.wait_all(group.call("load_checkpoint", step_dir, plan.for_workers()), None, "restore")
-        self.step_count = steps[0]
-        self.data_position = int(manifest.data_position or 0)
+        self.position.set(steps[0], int(manifest.data_position or 0))
         self.last_checkpoint, self.last_checkpoint_step = step_dir, steps[0]
 
     def _optimizer_plan(self, manifest: Any, step_dir: Any) -> LoadPlan:
@@ -556,7 +418,7 @@ class Controller:
         what the trainer was given ([Note: restoring the optimizer] in optimizer_restore.py); logged."""
         group = self.group
         parts = group.wait_all(group.call("optimizer_record"), None, "restore: the optimizer as built")
-        live = merge_parts(parts, self.spec.optimizer, self.spec.param_groups)
+        live = merge_parts([p.record for p in parts], self.spec.optimizer, self.spec.param_groups)
         fresh = self.restore_choice.fresh_optimizer and self._fresh_at in (None, str(step_dir))
         plan = plan_load(manifest.optimizer, manifest.scalars, live, self.restore_choice, fresh)
         if fresh:
@@ -610,7 +472,7 @@ class Controller:
             new.start_spares()  # once the old group is gone: its resources are theirs
             self._adopt(new)
             self.scaling = scaling
-            self.step_count = steps[0]
+            self.position.set(step_count=steps[0])
         finally:
             self.states.leave(TrainerState.RESIZING)
 
@@ -624,18 +486,6 @@ class Controller:
         return new.wait_all(new.call_each("load_pieces", [([refs[j] for refs in per_old], untrained)
                                                           for j in range(m)]),
                             None, "resize: load the new shards")
-
-
-def _wait_quietly(refs: List[Any], timeout_s: float) -> None:
-    """Wait briefly for calls whose outcome no longer matters (behind a failed one): none is
-    still queued when the caller goes on; their errors were raised already, or are moot."""
-    if refs:
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except Exception:  # noqa: BLE001
-                pass
 
 
 def _free_resources(scaling: ScalingPolicy, wait_s: float = 3.0) -> Tuple[float, float]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional
 
 from zeroray.runtime.controller import Controller
-from zeroray.runtime.data import is_ray_dataset
+from zeroray.runtime.data_source import is_ray_dataset
 from zeroray.runtime.progress import Progress
 from zeroray.runtime.step import StepResult
 

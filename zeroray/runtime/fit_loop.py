@@ -30,16 +30,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import deque
 from collections.abc import Mapping
-from typing import Any, Deque, List, Optional, Union
+from typing import Any, List, Optional, Union
 
 import torch
 
 from zeroray.config import CheckpointConfig, FailureConfig
 from zeroray.runtime.controller import Controller
-from zeroray.runtime.data import RayDataFeed, is_ray_dataset
+from zeroray.runtime.data import RayDataFeed
+from zeroray.runtime.data_source import is_ray_dataset
 from zeroray.runtime.fit_eval import FitEvaluation
+from zeroray.runtime.pipeline import StepPipeline
 from zeroray.runtime.policy import FailurePolicy, ScalingPolicy
 from zeroray.runtime.progress import Progress
 from zeroray.runtime.step import PendingStep, StepResult
@@ -52,13 +53,14 @@ PIPELINE_DEPTH = 2  # steps in flight: the one running and the one queued behind
 class BatchFeed:
     """fit's source of steps for an iterable of global batches: the driver sends each batch."""
 
-    def __init__(self, data: Any, skip: int) -> None:
+    def __init__(self, pipeline: StepPipeline, data: Any, skip: int) -> None:
+        self.pipeline = pipeline
         self.batches = itertools.islice(iter(data), skip, None)
 
-    def submit(self, controller: Controller, after_ok: bool) -> Optional[PendingStep]:
-        """A PendingStep on the next batch, or None when the data has ended."""
+    def send(self) -> Optional[PendingStep]:
+        """A step on the next batch, sent through the pipeline; None when the data has ended."""
         for batch in self.batches:
-            return controller.submit_step(batch, after_ok=after_ok, tokens=_tokens(batch))
+            return self.pipeline.send(batch, tokens=_tokens(batch))
         return None
 
     def close(self) -> None:
@@ -73,9 +75,9 @@ def _tokens(batch: Any) -> Optional[int]:
 
 def _feed(controller: Controller, data: Any, batch_size: Optional[int]) -> Union[BatchFeed, RayDataFeed]:
     if is_ray_dataset(data):  # every worker pulls its own split (runtime/data.py)
-        return RayDataFeed(controller.group, data, batch_size, controller.data_position,
+        return RayDataFeed(controller.pipeline, data, batch_size, controller.data_position,
                            controller.zero.grad_accum_steps)
-    return BatchFeed(data, controller.data_position)
+    return BatchFeed(controller.pipeline, data, controller.data_position)
 
 
 def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batch_size: Optional[int],
@@ -131,39 +133,29 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
 
 def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optional[int], ckpt: CheckpointConfig,
          results: List[StepResult], bar: Optional[Progress], evaluation: Optional[FitEvaluation]) -> None:
-    """Steps from ``feed`` until it ends or ``end`` is reached, PIPELINE_DEPTH in flight."""
-    in_flight: Deque[PendingStep] = deque()
+    """Steps from ``feed`` until it ends or ``end`` is reached, PIPELINE_DEPTH in flight in the
+    controller's pipeline ([Note: one step pipeline] in pipeline.py)."""
+    pipeline = controller.pipeline
     ended = False
     try:
         while True:
-            while not ended and len(in_flight) < PIPELINE_DEPTH:
-                if end is not None and controller.data_position + len(in_flight) >= end:
+            while not ended and len(pipeline) < PIPELINE_DEPTH:
+                if end is not None and controller.data_position + len(pipeline) >= end:
                     break
-                if in_flight and (_saves_after(in_flight[-1].number, ckpt) or
-                                  (evaluation is not None and evaluation.due(in_flight[-1].number))):
+                last = pipeline.last_number
+                if last is not None and (_saves_after(last, ckpt) or (evaluation is not None and evaluation.due(last))):
                     break  # a checkpoint or evaluation waits for its step: nothing may run before it
-                pending = feed.submit(controller, after_ok=bool(in_flight))
-                if pending is None:
-                    ended = True
-                    break
-                in_flight.append(pending)
-            if not in_flight:
+                ended = feed.send() is None
+            if not len(pipeline):
                 return
-            pending = in_flight.popleft()
-            try:
-                result = controller.finish_step(pending)
-            except Exception:
-                controller.discard(in_flight)  # cancelled behind the failed step, or their group is gone
-                in_flight.clear()
-                raise
-            if result is None:  # its split had run out: so had every step behind it
-                controller.discard(in_flight)
-                in_flight.clear()
+            tokens = pipeline.next_tokens
+            result = pipeline.collect()  # a failed step discards the ones behind it, then raises
+            if result is None:  # its split had run out: so had every step behind it (discarded)
                 return
-            results.append(result)  # the controller counted its batch: data_position moved on
+            results.append(result)  # the pipeline counted its batch: data_position moved on
             if bar:
-                if pending.tokens is not None:  # each step's own: batches may change shape between steps
-                    bar.tokens_per_step = pending.tokens
+                if tokens is not None:  # each step's own: batches may change shape between steps
+                    bar.tokens_per_step = tokens
                 bar.update(result)
             if _saves_after(result.step, ckpt):
                 controller.save(ckpt.path, ckpt.keep)
@@ -172,22 +164,9 @@ def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optio
     except BaseException:
         # The driver's side failed (the data iterator, a save, Ctrl-C): the steps already sent
         # count, so step_count and data_position say what the workers applied.
-        _settle(controller, in_flight, results)
+        pipeline.settle(results)
         raise
 
 
 def _saves_after(step: int, ckpt: CheckpointConfig) -> bool:
     return bool(ckpt.every_steps) and step % ckpt.every_steps == 0
-
-
-def _settle(controller: Controller, in_flight: Deque[PendingStep], results: List[StepResult]) -> None:
-    """Collect the steps still in flight when fit is interrupted (their results count)."""
-    while in_flight:
-        pending = in_flight.popleft()
-        try:
-            result = controller.finish_step(pending)
-        except BaseException:  # noqa: BLE001 - the interruption is what the caller sees
-            controller.discard(in_flight)
-            return
-        if result is not None:
-            results.append(result)

@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from zeroray.runtime.messages import SplitInfo
+from zeroray.runtime.records import SplitInfo
 
 
 def to_tensors(columns: Dict[str, Any]) -> Dict[str, torch.Tensor]:

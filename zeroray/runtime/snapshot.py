@@ -70,6 +70,7 @@ import torch
 
 from zeroray.checkpoint import plan
 from zeroray.layout.arena import FlatLayout
+from zeroray.runtime.records import SnapshotRecord
 from zeroray.runtime.state_transfer import PieceAssembler, cut_pieces, from_wire, to_wire
 
 
@@ -79,10 +80,10 @@ class Snapshot:
 
     ``shards[r]``: old rank r's ``{"tensors": {key: wire array}, "scalars": {...}}`` in the
     coordinates of ``layout`` (the group's layout when it was taken); ``untrained``: rank 0's
-    buffers and frozen parameters; ``records``: one small ``{"step": n}`` per rank, what the
+    buffers and frozen parameters; ``records``: one small ``SnapshotRecord`` per rank, what the
     driver waits on. ``step``/``data_position``: set when the driver collected the step."""
 
-    layout: Dict[str, Any]
+    layout: FlatLayout
     shards: List[Any]
     untrained: Any
     records: List[Any]
@@ -110,7 +111,7 @@ def capture(engine: Any, rank: int) -> Capture:
                    engine.step_count)
 
 
-def copy_shard(taken: Capture, released: Callable[[], None]) -> Tuple[Dict[str, Any], Any, Dict[str, int]]:
+def copy_shard(taken: Capture, released: Callable[[], None]) -> Tuple[Dict[str, Any], Any, SnapshotRecord]:
     """``Worker.snapshot_shard``'s three return values: (this rank's shard, rank 0's untrained
     state or None, a small record), from the state as it was at ``taken``. The shard's arrays
     may be views of the live state ([Note: overlapped snapshot copy]): ``released`` is called
@@ -131,7 +132,7 @@ def copy_shard(taken: Capture, released: Callable[[], None]) -> Tuple[Dict[str, 
         on_release(list(wire.values()), released)
     else:
         released()
-    return {"tensors": wire, "scalars": scalars}, taken.untrained, {"step": taken.step}
+    return {"tensors": wire, "scalars": scalars}, taken.untrained, SnapshotRecord(taken.step)
 
 
 def on_release(values: List[Any], callback: Callable[[], None]) -> None:
@@ -152,21 +153,20 @@ def on_release(values: List[Any], callback: Callable[[], None]) -> None:
         weakref.finalize(value, gone)
 
 
-def needed_ranks(old_layout: FlatLayout, target: Tuple[Dict[str, Any], int]) -> List[int]:
+def needed_ranks(old_layout: FlatLayout, target: Tuple[FlatLayout, int]) -> List[int]:
     """The old ranks whose shards hold a new worker's slices, or its per-rank values."""
-    layout_dict, rank = target
-    ranks = {c.src_rank for c in plan(old_layout, FlatLayout.from_dict(layout_dict), rank)}
+    layout, rank = target
+    ranks = {c.src_rank for c in plan(old_layout, layout, rank)}
     ranks.add(min(rank, old_layout.world_size - 1))  # where a new rank takes its scalars (as a resize does)
     return sorted(ranks)
 
 
-def assemble(old_layout_dict: Dict[str, Any], target: Tuple[Dict[str, Any], int], shard_refs: List[Any],
+def assemble(old_layout: FlatLayout, target: Tuple[FlatLayout, int], shard_refs: List[Any],
              untrained_refs: List[Any]) -> Tuple[Tuple[Dict[str, torch.Tensor], Dict[str, Any]], Dict[str, Any]]:
     """A new worker's (tensors, scalars) and untrained state from a snapshot, fetching the old
     shards it needs one at a time (``shard_refs[r]`` is None for the ones it does not need).
     Raises what ``ray.get`` raises when a shard is lost."""
-    old_layout = FlatLayout.from_dict(old_layout_dict)
-    assembler = PieceAssembler(FlatLayout.from_dict(target[0]))
+    assembler = PieceAssembler(target[0])
     for old_rank, ref in enumerate(shard_refs):
         if ref is None:
             continue

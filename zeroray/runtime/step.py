@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from zeroray.runtime.messages import StepOutput
+from zeroray.runtime.records import StepRecord
 
 
 @dataclass
@@ -28,7 +28,7 @@ class StepResult:
 
 @dataclass
 class PendingStep:
-    """A step sent to every worker whose results were not collected yet (Controller.finish_step).
+    """A step sent to every worker whose results were not collected yet (StepPipeline.collect).
 
     ``refs``: one object ref per worker, rank order. ``tokens``: elements of the largest tensor
     of the global batch (progress's tokens/s), when known.
@@ -41,9 +41,10 @@ class PendingStep:
     snapshot: Optional[Any] = None  # fit: the in-memory snapshot taken right behind it (runtime/snapshot.py)
 
     @staticmethod
-    def combine(results: List[StepOutput]) -> StepResult:
-        """The StepResult of the workers' per-rank results (rank order)."""
-        r0 = results[0]
-        return StepResult(loss=sum(r.loss for r in results) / len(results), grad_norm=r0.grad_norm,
+    def combine(results: List[StepRecord]) -> StepResult:
+        """The StepResult of the workers' per-rank records (rank order): the mean of their losses
+        (each weighted by its rows), rank 0's global values, the slowest engine's time."""
+        r0 = results[0].stats
+        return StepResult(loss=sum(r.stats.loss for r in results) / len(results), grad_norm=r0.grad_norm,
                           step=r0.step, skipped=r0.skipped, loss_scale=r0.loss_scale,
-                          step_time_s=max(r.time_s for r in results))
+                          step_time_s=max(r.stats.time_s for r in results))

@@ -34,7 +34,7 @@ from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.controller import Controller
 from zeroray.runtime.fit_eval import FitEvaluation
 from zeroray.runtime.fit_loop import run_fit
-from zeroray.runtime.messages import WorkerSpec
+from zeroray.runtime.records import CommReport, MemoryReport, NodeInfo, RecoveryRecord, WorkerSpec
 from zeroray.runtime.optimizer_restore import PARTS, RestoreChoice, choose
 from zeroray.runtime.step import StepResult
 from zeroray.runtime.trainer_state import SHUT_DOWN, TrainerState
@@ -174,8 +174,9 @@ class Trainer:
         return self.controller.last_recovery_s
 
     @property
-    def recoveries(self) -> List[Dict[str, Any]]:
-        """fit: one record per restart after a worker failure (cause, timings, step, size)."""
+    def recoveries(self) -> List[RecoveryRecord]:
+        """fit: one record per recovery after a worker failure (cause, timings, step, size, mode);
+        read as ``rec.mode`` or ``rec["mode"]`` ([Note: records read as mappings] in records.py)."""
         return self.controller.recoveries
 
     @property
@@ -187,8 +188,8 @@ class Trainer:
         return self.controller.num_workers
 
     @property
-    def workers(self) -> List[Dict[str, Any]]:
-        """Per worker: rank, node id, ip, pid (where each actor runs)."""
+    def workers(self) -> List[NodeInfo]:
+        """Per worker: rank, node id, ip, pid (where each actor runs); ``w.pid`` or ``w["pid"]``."""
         return list(self.controller.group.nodes)
 
     def shutdown(self) -> None:
@@ -316,12 +317,12 @@ class Trainer:
         raise KeyError(f"no parameter or buffer named {name!r}; names are those of model.state_dict(), "
                        f"e.g. {self.controller.state_dict_keys[:5]}")
 
-    def comm_report(self) -> List[Dict[str, Any]]:
+    def comm_report(self) -> List[CommReport]:
         """Per worker, for the last step: bytes and calls per collective, exposed wait, prefetch hits
         (an ``evaluate`` or ``run`` after that step adds its own collectives and fetches to these)."""
         return self._on_workers("comm_report")
 
-    def memory_report(self) -> List[Dict[str, Any]]:
+    def memory_report(self) -> List[MemoryReport]:
         """Per worker: measured bytes by category next to the paper's estimate (see memory/report.py);
         ``snapshot_bytes``: what one in-memory snapshot of that worker's state holds in Ray's object
         store under FailureConfig(snapshot_every=K), outside the worker's process (1/N of the model states)."""

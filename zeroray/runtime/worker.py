@@ -23,7 +23,10 @@ import torch
 
 from zeroray.memory.process import ProcessMemory, current_rss_bytes
 from zeroray.runtime.batch_transport import unpack
-from zeroray.runtime.messages import Hops, SetupInfo, SplitInfo, StepOutput, WorkerSpec
+from zeroray.layout.arena import FlatLayout
+from zeroray.runtime.records import (CommReport, ExportDone, Hops, MemoryReport, NodeInfo, OptimizerPart,
+                                     OptimizerPlan, SavedShard, SetupInfo, SplitInfo, StepRecord, WorkerProgress,
+                                     WorkerSpec)
 from zeroray.runtime.sequencer import Cancelled, Sequencer, Ticket
 
 log = logging.getLogger("zeroray")
@@ -57,6 +60,7 @@ def engine_call(method: Optional[Callable] = None, *, waits_for_copy: bool = Tru
         return self._sequencer.run(ticket, run)
 
     call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    call.__annotations__ = method.__annotations__  # what crosses the boundary (tests/unit/test_worker_boundary.py)
     # Ray checks call arguments against the signature: the same one, with the ticket first.
     signature = inspect.signature(method)
     params = list(signature.parameters.values())
@@ -87,11 +91,11 @@ class Worker:
     # --- polls: answered at any time, never wait for the engine -------------------------------
 
     @ray.method(concurrency_group="control")
-    def node_info(self) -> Dict[str, Any]:
+    def node_info(self) -> NodeInfo:
         ctx = ray.get_runtime_context()
-        return {"rank": self.rank, "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "host": socket.gethostname(),
-                "gpu_ids": ray.get_gpu_ids() if self.use_gpu else []}
+        return NodeInfo(rank=self.rank, node_id=ctx.get_node_id(), ip=ray.util.get_node_ip_address(),
+                        pid=os.getpid(), host=socket.gethostname(),
+                        gpu_ids=tuple(ray.get_gpu_ids()) if self.use_gpu else ())
 
     @ray.method(concurrency_group="control")
     def free_port(self) -> int:
@@ -100,13 +104,13 @@ class Worker:
         return free_port()
 
     @ray.method(concurrency_group="control")
-    def progress(self) -> Dict[str, Any]:
+    def progress(self) -> WorkerProgress:
         """How far this rank got in the current step, so the driver can name the ranks that did
         not reach a collective. Reads counters the step thread updates: a snapshot, not a lock."""
         counter = self.group.counter if self.group is not None else None
         calls = sum(s.calls for s in list(counter.collectives.values())) if counter is not None else 0
-        return {"rank": self.rank, "step": self.engine.step_count if self.engine is not None else None,
-                "collectives": calls, "busy": self._sequencer.busy}
+        return WorkerProgress(rank=self.rank, step=self.engine.step_count if self.engine is not None else None,
+                              collectives=calls, busy=self._sequencer.busy)
 
     @ray.method(concurrency_group="warm")
     def warm(self, spec: WorkerSpec) -> str:
@@ -207,19 +211,16 @@ class Worker:
     # --- training --------------------------------------------------------------------------
 
     @engine_call(waits_for_copy=False)
-    def train_step(self, batch: Any, global_rows: Optional[int] = None) -> StepOutput:
+    def train_step(self, batch: Any, global_rows: Optional[int] = None) -> StepRecord:
         """One step on this rank's share of the global batch (a PackedBatch, see batch_transport.py)
         of ``global_rows`` rows ([Note: uneven splits] in engine/batch.py)."""
         return self._step(unpack(batch), global_rows)
 
-    def _step(self, batch: Any, global_rows: Optional[int] = None) -> StepOutput:
+    def _step(self, batch: Any, global_rows: Optional[int] = None) -> StepRecord:
         t_engine = time.time()
         stats = self.memory.step(self.engine.train_step, batch, before_update=self._wait_copy,
                                  global_rows=global_rows)
-        t_engine_end = time.time()
-        return StepOutput(loss=stats.loss, grad_norm=stats.grad_norm, step=stats.step, skipped=stats.skipped,
-                          loss_scale=stats.loss_scale, time_s=stats.time_s,
-                          hops=Hops(self._arrived.at, t_engine, t_engine_end))
+        return StepRecord(stats, Hops(self._arrived.at, t_engine, time.time()))
 
     # --- evaluation and inference ([Note: inference calls] in engine/inference.py) --------------------
 
@@ -245,7 +246,7 @@ class Worker:
         return self.feed.peek_info()
 
     @engine_call(waits_for_copy=False)
-    def train_next(self) -> Optional[StepOutput]:
+    def train_next(self) -> Optional[StepRecord]:
         """One step on this rank's next local batch; None (no step) when the split has run out."""
         if self.feed is None:
             raise RuntimeError("train_next: no Ray Data split is attached to this worker")
@@ -260,7 +261,8 @@ class Worker:
     # --- inspection ------------------------------------------------------------------------
 
     @engine_call
-    def master_pieces(self, names: Optional[List[str]] = None) -> Dict[str, Any]:
+    def master_pieces(self, names: Optional[List[str]] = None) -> Dict[str, Tuple[int, int, torch.Tensor]]:
+        """(lo, hi, fp32 values) of each named parameter's flat elements this rank holds."""
         names = names if names is not None else self.engine.layout.param_names
         return {n: self.engine.master_piece(n) for n in names}
 
@@ -269,30 +271,27 @@ class Worker:
         return self.engine.untrained_state()
 
     @engine_call
-    def comm_report(self) -> Dict[str, Any]:
-        report = self.group.counter.as_dict()
-        report["rank"] = self.rank
-        report.update(self.engine.fetch_stats())
-        report.update(self.engine.bucket_stats())
-        return report
+    def comm_report(self) -> CommReport:
+        return CommReport(rank=self.rank, details={**self.group.counter.as_dict(), **self.engine.fetch_stats(),
+                                                   **self.engine.bucket_stats()})
 
     @engine_call
-    def memory_report(self) -> Dict[str, Any]:
+    def memory_report(self) -> MemoryReport:
         from zeroray.memory.report import measure
 
-        report = measure(self.engine, self.memory.report())
-        report["rank"] = self.rank
-        report["rss_bytes"] = current_rss_bytes()  # before the export below, which may allocate copies
+        measured = measure(self.engine, self.memory.report())
+        rss = current_rss_bytes()  # before the export below, which may allocate copies
         # What one in-memory snapshot of this rank takes in the object store, outside this process
         # (FailureConfig(snapshot_every), [Note: in-memory snapshots]): 1/N of the model states.
         tensors, _ = self.engine.export_state(live=True)  # only the sizes are read
-        report["snapshot_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
-        return report
+        return MemoryReport(rank=self.rank, rss_bytes=rss,
+                            snapshot_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                            details=measured)
 
     # --- state -----------------------------------------------------------------------------
 
     @engine_call
-    def export_pieces(self, targets: List[Tuple[Dict[str, Any], int]]) -> Tuple[Any, ...]:
+    def export_pieces(self, targets: List[Tuple[FlatLayout, int]]) -> Tuple[Any, ...]:
         """Resize, old side: one piece of this rank's state per new worker ([Note: resize transfer]),
         then a small record (the step count) the driver waits on. Called with num_returns=M+1."""
         from zeroray.runtime.state_transfer import cut_pieces
@@ -300,7 +299,7 @@ class Worker:
         # live: cut_pieces copies what it sends, within this call's turn (no update runs beside it)
         tensors, scalars = self.engine.export_state(live=True)
         pieces = cut_pieces(self.engine.layout, self.rank, tensors, scalars, targets)
-        return (*pieces, {"step": self.engine.step_count})
+        return (*pieces, ExportDone(self.engine.step_count))
 
     def snapshot_shard(self, ticket: Ticket) -> Tuple[Any, Any, Any]:
         """fit's in-memory snapshot of this rank's state ([Note: in-memory snapshots] in
@@ -347,7 +346,7 @@ class Worker:
             gc.collect()
 
     @engine_call
-    def stage_snapshot(self, old_layout: Dict[str, Any], shard_refs: List[Any], untrained_refs: List[Any]
+    def stage_snapshot(self, old_layout: FlatLayout, shard_refs: List[Any], untrained_refs: List[Any]
                        ) -> Optional[str]:
         """Recovery, first half: fetch and assemble this rank's state from a snapshot (no
         collective). None when done; what went wrong when a shard is lost (the driver then falls
@@ -356,7 +355,7 @@ class Worker:
 
         layout, rank = self.engine.state_layout()
         try:
-            self._staged = assemble(old_layout, (layout.to_dict(), rank), shard_refs, untrained_refs)
+            self._staged = assemble(old_layout, (layout, rank), shard_refs, untrained_refs)
         except Exception as error:  # noqa: BLE001 - reported to the driver, which falls back
             self._staged = None
             return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
@@ -372,22 +371,22 @@ class Worker:
         return self.engine.step_count
 
     @engine_call
-    def save_shard(self, root: str, step: int) -> Tuple[Any, Any]:
+    def save_shard(self, root: str, step: int) -> SavedShard:
         from zeroray.checkpoint import write_extra, write_shard
 
         # live: written before this call returns, within its turn (no update runs beside it)
         tensors, scalars = self.engine.export_state(live=True)
         info = write_shard(root, step, self.rank, tensors, scalars)
         extra = write_extra(root, step, self.engine.untrained_state()) if self.rank == 0 else None
-        return info, extra, self.engine.optimizer_record()
+        return SavedShard(info, extra, OptimizerPart(self.engine.optimizer_record()))
 
     @engine_call
-    def optimizer_record(self) -> Dict[str, Any]:
+    def optimizer_record(self) -> OptimizerPart:
         """This rank's part of the optimizer record, as built ([Note: optimizer record] in engine/optim_record.py)."""
-        return self.engine.optimizer_record()
+        return OptimizerPart(self.engine.optimizer_record())
 
     @engine_call
-    def load_checkpoint(self, path: str, optimizer_plan: Optional[Dict[str, Any]] = None) -> int:
+    def load_checkpoint(self, path: str, optimizer_plan: Optional[OptimizerPlan] = None) -> int:
         """This rank's slices of the checkpoint, and the replicated buffers and frozen parameters
         (its extra tensors, which ``save_shard`` writes from ``untrained_state``); the optimizer's
         hyperparameters and scheduler state as ``optimizer_plan`` says ([Note: restoring the
@@ -398,7 +397,7 @@ class Worker:
         layout, rank = self.engine.state_layout()
         tensors, scalars = load_resharded(path, layout, rank)
         if optimizer_plan is not None:
-            tensors, scalars = with_plan(tensors, scalars, optimizer_plan)
+            tensors, scalars = with_plan(tensors, scalars, optimizer_plan.as_record())
         self.engine.import_state(tensors, scalars)
         self.engine.import_untrained(load_extra(path))
         return self.engine.step_count

@@ -125,7 +125,7 @@ from zeroray.comm.group import RendezvousError
 from zeroray.config import ScalingConfig
 from zeroray.runtime.failures import (CollectiveTimeoutError, ErrorKind, PlacementError, WorkerDiedError,
                                       WorkerGroupError, classify_error, first_line, setup_error, worker_error)
-from zeroray.runtime.messages import SetupInfo, WorkerSpec
+from zeroray.runtime.records import NodeInfo, SetupInfo, WorkerSpec, node_list
 from zeroray.runtime.sequencer import Ticket
 from zeroray.runtime.snapshot import buddies
 from zeroray.runtime.spares import Slot, drop_dead_spares, take_spare
@@ -197,7 +197,7 @@ class WorkerGroup:
         self.num_workers = num_workers
         self.pg = None
         self.actors: List[Any] = []
-        self.nodes: List[Dict[str, Any]] = []
+        self.nodes: List[NodeInfo] = []
         self.failed: Optional[str] = None  # why the group was torn down after a failure
         # [Note: replace, don't restart]: kill only the lost workers on a failure (set during a
         # fit with snapshots); ``survivors`` are the ranks kept, until ``replace`` or ``shutdown``.
@@ -229,7 +229,7 @@ class WorkerGroup:
                 self.actors.append(self._new_actor(rank, self.bundles[rank]))
             self.nodes = ray.get(self.poll("node_info"))
             self.timings["actors_s"] = time.monotonic() - t0 - self.timings["placement_s"]
-            master_addr = self.nodes[0]["ip"]
+            master_addr = self.nodes[0].ip
             master_port = ray.get(self.poll("free_port", ranks=[0]))[0]
             spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
             self.setup_info: List[SetupInfo] = ray.get(self.call("setup", spec, master_addr, master_port))
@@ -323,7 +323,7 @@ class WorkerGroup:
         snapshot.py): rank r's buddy is the next rank after r on another node; none on one node.
         Not waited for. Returns how many copies were asked for."""
         asked = 0
-        for rank, buddy in enumerate(buddies([node["node_id"] for node in self.nodes])):
+        for rank, buddy in enumerate(buddies([node.node_id for node in self.nodes])):
             if buddy is not None and shard_refs[rank] is not None:
                 self.actors[buddy].hold_copy.remote([shard_refs[rank]])
                 asked += 1
@@ -403,13 +403,13 @@ class WorkerGroup:
             raise PlacementError(f"replace: the new worker(s) for rank(s) {lost} did not start within "
                                  f"{timeout_s:g} s: {_cluster_offer()}")
         self._answers(list(imported), "start")
-        self.nodes = [{**node, "rank": rank} for rank, node in enumerate(self._answers(refs, "start"))]
+        self.nodes = node_list(self._answers(refs, "start"))
         t1 = time.monotonic()
         master_port = self._answers(self.poll("free_port", ranks=[0]), "re-form the group")[0]
         spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
         self.failed, self.survivors = None, []
         joining = self.rendezvous_timeout_s
-        self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0]["ip"], master_port, r,
+        self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0].ip, master_port, r,
                                                                   self.num_workers, joining)
                                                                  for r in range(self.num_workers)]),
                                         None, "re-form the group", grace_s=2 * joining + _FAILURE_GRACE_S)
@@ -612,7 +612,7 @@ class WorkerGroup:
             if ref in ready:
                 try:
                     p = ray.get(ref)
-                    progress[rank] = (p["step"] or 0, p["collectives"])
+                    progress[rank] = (p.step or 0, p.collectives)
                 except Exception:  # noqa: BLE001
                     pass
         if len(set(progress.values())) > 1:
@@ -624,7 +624,7 @@ class WorkerGroup:
         where = []
         for r in ranks:
             node = self.nodes[r] if r < len(self.nodes) else None
-            where.append(f"{r} (pid {node['pid']} on {node['ip']})" if node else str(r))
+            where.append(f"{r} (pid {node.pid} on {node.ip})" if node else str(r))
         return "[" + ", ".join(where) + "]"
 
     def _tear_down(self, reason: str, alive: Sequence[int] = ()) -> None:
