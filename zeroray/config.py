@@ -256,7 +256,7 @@ class ScalingConfig:
     min_workers: after a failure, training continues with as many workers as the cluster
         offers, down to this many (None: num_workers, i.e. wait for the full size); with
         in-memory snapshots, the survivors go on alone when no replacement can be placed
-        ([Note: shrink in memory] in runtime/worker_group.py).
+        ([Note: shrink in memory] in runtime/worker_group/reform.py).
     """
 
     num_workers: int = 2

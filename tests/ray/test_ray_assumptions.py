@@ -41,7 +41,7 @@ import pytest
 import ray
 import torch
 
-from zeroray.runtime.snapshot import on_release
+from zeroray.runtime.worker.snapshot_side import on_release
 from zeroray.runtime.state_transfer import from_wire, to_wire
 
 TESTED = "2.60.0"  # the Ray release these behaviours were read in (_raylet.pyx's execute_task) and tested with

@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 
 from zeroray.runtime import records
-from zeroray.runtime.worker import Worker, engine_call
+from zeroray.runtime.worker.actor import Worker
+from zeroray.runtime.worker.sequencer import engine_call
 
 
 def _untyped_dicts(annotation: Any) -> List[str]:
@@ -33,7 +34,8 @@ def _untyped_dicts(annotation: Any) -> List[str]:
 
 
 def _public_methods(cls: type) -> Dict[str, Any]:
-    return {name: fn for name, fn in vars(cls).items() if not name.startswith("_") and inspect.isfunction(fn)}
+    """Every public method of ``cls``, its mixins' included (the actor is made of several)."""
+    return {name: fn for name, fn in inspect.getmembers(cls, inspect.isfunction) if not name.startswith("_")}
 
 
 def _violations(cls: type) -> Dict[str, List[str]]:

@@ -1,7 +1,7 @@
 """What the driver iterates itself: whether fit's data is a ``ray.data.Dataset``, and the
 global batches of an evaluation (an iterable of them, or a Dataset read on the driver).
 
-Shared by fit (fit_loop.py, data.py), the pipeline's evaluation (pipeline.py) and the stage
+Shared by fit (fit/loop.py, fit/data.py), the pipeline's evaluation (execution/pipeline.py) and the stage
 choice (auto_stage.py); it imports nothing of theirs.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Ray pickles each of these whole. The driver builds a ``WorkerSpec`` once per tra
 worker builds its engine from it (``Worker.setup``), answering with a ``SetupInfo``; every
 step answers with a ``StepRecord`` (``Worker.train_step``, ``Worker.train_next``): the
 engine's own ``StepStats`` with the hops it passed, which the driver combines into the
-``StepResult`` (pipeline.py), and attaching a Ray Data split with a ``SplitInfo``. The polls
+``StepResult`` (execution/pipeline.py), and attaching a Ray Data split with a ``SplitInfo``. The polls
 answer ``NodeInfo`` and ``WorkerProgress``; the reports ``CommReport`` and ``MemoryReport``; a
 snapshot's small per-rank record is a ``SnapshotRecord``, and every recovery of a fit leaves a
 ``RecoveryRecord`` in ``trainer.recoveries``. A ``FlatLayout`` crosses as itself. Checkpoint
@@ -13,8 +13,9 @@ checkpoint/manifest.py): those are a file format, not a message.
 
 [Note: records read as mappings]
 The records users see (``trainer.workers``, ``comm_report()``, ``memory_report()``,
-``trainer.recoveries``) were dicts before they were typed, and the README shows them read as
-``rec["redone_steps"]``. So those records are also read-only mappings (``MappingRecord``):
+``trainer.recoveries``, and the ``progress`` poll that tests and tools read) were dicts before
+they were typed, and the README shows them read as ``rec["redone_steps"]``. So those records
+are also read-only mappings (``MappingRecord``):
 ``rec.redone_steps`` and ``rec["redone_steps"]`` are the same value, ``dict(rec)`` is the old
 dict. A report whose contents are open-ended (the engine's counters, which grow with its
 features) keeps the fields the driver reads as fields and the rest as ``details``, read through
@@ -35,12 +36,11 @@ from zeroray.layout.arena import FlatLayout
 class MappingRecord(Mapping):
     """A frozen dataclass that is also a read-only mapping of its fields ([Note: records read as
     mappings]); a ``details`` field, where there is one, is read through it as well (its keys after
-    the fields'), and a field that is None is left out (an optional part this record lacks).
+    the fields').
     Subclasses are declared ``eq=False``: they compare as mappings do (with the old dicts too)."""
 
     def _items(self) -> Dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "details"}
-        out = {k: v for k, v in out.items() if v is not None}
         return {**out, **getattr(self, "details", {})}
 
     def __getitem__(self, key: str) -> Any:
@@ -110,7 +110,7 @@ class Hops:
 @dataclass(frozen=True)
 class StepRecord:
     """One worker's result of one step: the engine's ``StepStats`` as it returned them, and the
-    hops (the driver combines the workers' records into a StepResult, pipeline.py).
+    hops (the driver combines the workers' records into a StepResult, execution/pipeline.py).
 
     ``stats.loss`` is this worker's share of the loss, weighted by its rows (their mean is the
     global loss); ``stats.grad_norm`` is global, the same on every worker."""
@@ -122,7 +122,7 @@ class StepRecord:
 @dataclass(frozen=True)
 class SplitInfo:
     """A worker's answer to ``attach_data``: its Ray Data split's first local batch, read ahead
-    (runtime/local_feed.py). ``tokens``: the largest column's element count."""
+    (runtime/worker/local_feed.py). ``tokens``: the largest column's element count."""
 
     has_next: bool
     rows: int = 0
@@ -141,10 +141,11 @@ class NodeInfo(MappingRecord):
     gpu_ids: Tuple[Any, ...] = ()
 
 
-@dataclass(frozen=True)
-class WorkerProgress:
+@dataclass(frozen=True, eq=False)
+class WorkerProgress(MappingRecord):
     """How far a rank got in the current step (``Worker.progress``, a poll): its step count
-    (None before its engine is built), the collectives it issued, whether an engine call runs."""
+    (None before its engine is built), the collectives it issued, whether an engine call runs.
+    A mapping too, as the poll's answer was read before it was typed."""
 
     rank: int
     step: Optional[int]
@@ -205,19 +206,15 @@ class SavedShard:
     optimizer: OptimizerPart
 
 
-@dataclass(frozen=True)
-class OptimizerPlan:
-    """What a worker's load takes of the checkpoint's optimizer (optimizer_restore.py's
+@dataclass(frozen=True, eq=False)
+class OptimizerPlan(MappingRecord):
+    """What a worker's load takes of the checkpoint's optimizer (controller/optimizer_restore.py's
     ``LoadPlan``, without its log lines): each group's hyperparameters, the scheduler's state,
-    or no optimizer state at all."""
+    or no optimizer state at all. A mapping, as engine/optim_record.py's ``with_plan`` reads it."""
 
     groups: Mapping[str, Any]
     scheduler: Optional[Mapping[str, Any]]
     fresh_optimizer: bool
-
-    def as_record(self) -> Dict[str, Any]:
-        """The form engine/optim_record.py's ``with_plan`` reads."""
-        return {"groups": self.groups, "scheduler": self.scheduler, "fresh_optimizer": self.fresh_optimizer}
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,7 +11,7 @@ raylet), a small one inline in the driver's memory; in neither case in the worke
 heap, so it survives the worker's death. The driver keeps the refs; nothing is written to disk.
 
 Order without a barrier: the snapshot call is numbered right after the step it captures
-([Note: one engine call at a time] in sequencer.py), with ``after_ok``, so it runs after that
+([Note: one engine call at a time] in worker/sequencer.py), with ``after_ok``, so it runs after that
 step and before the next one, which fit has already queued, and only if the step succeeded;
 the next step is ``after_ok`` behind the snapshot. fit's pipeline is not broken: the copy
 runs on the workers beside the next step ([Note: overlapped snapshot copy]
@@ -59,19 +59,11 @@ node before the copy arrived) lose the shard: the fallback is the disk checkpoin
 """
 from __future__ import annotations
 
-import base64
-import threading
-import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
-
-import ray
-import torch
+from typing import Any, List, Optional, Tuple
 
 from zeroray.checkpoint import plan
 from zeroray.layout.arena import FlatLayout
-from zeroray.runtime.records import SnapshotRecord
-from zeroray.runtime.state_transfer import PieceAssembler, cut_pieces, from_wire, to_wire
 
 
 @dataclass
@@ -91,93 +83,12 @@ class Snapshot:
     data_position: int = -1
 
 
-# --- the worker's side -------------------------------------------------------------------------
-
-
-@dataclass
-class Capture:
-    """What a snapshot takes in its turn between two steps ([Note: overlapped snapshot copy]):
-    what the next step's forward may change (the random generator, rank 0's buffers), the
-    step, and the engine whose state ``copy_shard`` then copies beside that forward."""
-
-    engine: Any
-    rng: torch.Tensor
-    untrained: Any
-    step: int
-
-
-def capture(engine: Any, rank: int) -> Capture:
-    return Capture(engine, torch.get_rng_state(), engine.untrained_state() if rank == 0 else None,
-                   engine.step_count)
-
-
-def copy_shard(taken: Capture, released: Callable[[], None]) -> Tuple[Dict[str, Any], Any, SnapshotRecord]:
-    """``Worker.snapshot_shard``'s three return values: (this rank's shard, rank 0's untrained
-    state or None, a small record), from the state as it was at ``taken``. The shard's arrays
-    may be views of the live state ([Note: overlapped snapshot copy]): ``released`` is called
-    once Ray has let go of every one of them, that is, once it has stored them; at once if the
-    export copied everything (offload="disk")."""
-    engine = taken.engine
-    live = engine.zero.offload is None  # the disk tier's loaded state goes back to its files
-    tensors, scalars = engine.export_state(live=live)
-    if scalars.get("step") != taken.step:
-        raise RuntimeError(f"the snapshot of step {taken.step} saw step {scalars.get('step')}: the update ran "
-                           "during its copy (a zeroray bug)")
-    # The generator as it was between the steps, in export_state's encoding (engine/state.py):
-    # the next step's forward may have drawn from it since.
-    scalars["rng"] = base64.b64encode(taken.rng.numpy().tobytes()).decode()
-    wire = {k: to_wire(v) for k, v in tensors.items()}
-    del tensors
-    if live:
-        on_release(list(wire.values()), released)
-    else:
-        released()
-    return {"tensors": wire, "scalars": scalars}, taken.untrained, SnapshotRecord(taken.step)
-
-
-def on_release(values: List[Any], callback: Callable[[], None]) -> None:
-    """Call ``callback`` once every one of ``values`` is gone (on the thread that drops the last
-    reference); see [Note: overlapped snapshot copy]. The caller keeps no reference to them."""
-    left = [len(values)]
-    lock = threading.Lock()
-
-    def gone() -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            callback()
-    if not values:
-        callback()
-    for value in values:
-        weakref.finalize(value, gone)
-
-
 def needed_ranks(old_layout: FlatLayout, target: Tuple[FlatLayout, int]) -> List[int]:
     """The old ranks whose shards hold a new worker's slices, or its per-rank values."""
     layout, rank = target
     ranks = {c.src_rank for c in plan(old_layout, layout, rank)}
     ranks.add(min(rank, old_layout.world_size - 1))  # where a new rank takes its scalars (as a resize does)
     return sorted(ranks)
-
-
-def assemble(old_layout: FlatLayout, target: Tuple[FlatLayout, int], shard_refs: List[Any],
-             untrained_refs: List[Any]) -> Tuple[Tuple[Dict[str, torch.Tensor], Dict[str, Any]], Dict[str, Any]]:
-    """A new worker's (tensors, scalars) and untrained state from a snapshot, fetching the old
-    shards it needs one at a time (``shard_refs[r]`` is None for the ones it does not need).
-    Raises what ``ray.get`` raises when a shard is lost."""
-    assembler = PieceAssembler(target[0])
-    for old_rank, ref in enumerate(shard_refs):
-        if ref is None:
-            continue
-        shard = ray.get(ref)
-        tensors = {k: from_wire(v) for k, v in shard["tensors"].items()}
-        assembler.add(cut_pieces(old_layout, old_rank, tensors, shard["scalars"], [target])[0])
-        del shard, tensors  # before fetching the next: one old shard at a time
-    return assembler.state(), ray.get(untrained_refs[0])
-
-
-# --- the driver's side -------------------------------------------------------------------------
 
 
 def buddies(node_ids: List[str]) -> List[Optional[int]]:

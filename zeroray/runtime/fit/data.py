@@ -3,7 +3,7 @@
 ``trainer.fit(dataset, batch_size=GLOBAL)`` cuts the dataset with
 ``dataset.streaming_split(num_workers, equal=True)``, in a fixed order ([Note: Ray Data
 replay]), and hands split ``r`` to worker ``r``, which iterates it itself in local batches of
-``GLOBAL // num_workers`` rows (local_feed.py, the worker side, and [Note: Ray Data batches]
+``GLOBAL // num_workers`` rows (worker/local_feed.py, the worker side, and [Note: Ray Data batches]
 there). Rows go from Ray Data's executor straight to the worker that trains on them, never
 through the driver; each step the driver only tells every worker "train on your next batch"
 (``train_next``). This side never imports the worker's, nor the worker this one.
@@ -36,13 +36,13 @@ import warnings
 from typing import Any, Optional
 
 from zeroray.engine.batch import split_sizes
-from zeroray.runtime.pipeline import StepPipeline
-from zeroray.runtime.step import PendingStep
+from zeroray.runtime.execution.pipeline import StepPipeline
+from zeroray.runtime.execution.step import PendingStep
 
 
 def local_batch_size(global_batch_size: Any, num_workers: int, grad_accum_steps: int) -> int:
     """Each worker's local batch: ``global_batch_size / num_workers`` rows, which must be whole
-    ([Note: Ray Data batches] in local_feed.py says why a Ray Data split cannot be uneven); its
+    ([Note: Ray Data batches] in worker/local_feed.py says why a Ray Data split cannot be uneven); its
     micro-batches may be (6 rows over 4 micro-batches: 2, 2, 1, 1; [Note: uneven splits] in
     engine/batch.py)."""
     if not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size < 1:

@@ -6,11 +6,11 @@ list of batches, its batch): when N ends, N+1 starts at once, and the driver's o
 next batch, splitting it, progress and metrics) and Ray's dispatch hide behind compute. The
 meaning of fit does not change:
 - N+1 is sent with ``after_ok``: if N fails, N+1 does not run on any worker (it returns
-  ``Cancelled``, see sequencer.py) or its group is gone; the loop discards it and handles N's
+  ``Cancelled``, see worker/sequencer.py) or its group is gone; the loop discards it and handles N's
   error alone.
 - A checkpoint waits for its step: when step N is one that saves (``every_steps``), N+1 is not
   sent until N's result is in and the save is done, so no queued step runs before the save.
-  An evaluation (``eval_every``, fit_eval.py) waits for its step the same way.
+  An evaluation (``eval_every``, fit/evaluation.py) waits for its step the same way.
 - Results and progress come in step order, one per step, as each step is collected.
 - When fit leaves early (the data iterator raised, Ctrl-C), the step still in flight is
   collected first, so ``step_count`` and ``data_position`` count exactly the steps the
@@ -36,14 +36,14 @@ from typing import Any, List, Optional, Union
 import torch
 
 from zeroray.config import CheckpointConfig, FailureConfig
-from zeroray.runtime.controller import Controller
-from zeroray.runtime.data import RayDataFeed
+from zeroray.runtime.controller.controller import Controller
+from zeroray.runtime.fit.data import RayDataFeed
 from zeroray.runtime.data_source import is_ray_dataset
-from zeroray.runtime.fit_eval import FitEvaluation
-from zeroray.runtime.pipeline import StepPipeline
-from zeroray.runtime.policy import FailurePolicy, ScalingPolicy
-from zeroray.runtime.progress import Progress
-from zeroray.runtime.step import PendingStep, StepResult
+from zeroray.runtime.fit.evaluation import FitEvaluation
+from zeroray.runtime.execution.pipeline import StepPipeline
+from zeroray.runtime.controller.policy import FailurePolicy, ScalingPolicy
+from zeroray.runtime.fit.progress import Progress
+from zeroray.runtime.execution.step import PendingStep, StepResult
 
 log = logging.getLogger("zeroray")
 
@@ -74,7 +74,7 @@ def _tokens(batch: Any) -> Optional[int]:
 
 
 def _feed(controller: Controller, data: Any, batch_size: Optional[int]) -> Union[BatchFeed, RayDataFeed]:
-    if is_ray_dataset(data):  # every worker pulls its own split (runtime/data.py)
+    if is_ray_dataset(data):  # every worker pulls its own split (runtime/fit/data.py)
         return RayDataFeed(controller.pipeline, data, batch_size, controller.data_position,
                            controller.zero.grad_accum_steps)
     return BatchFeed(controller.pipeline, data, controller.data_position)
@@ -134,7 +134,7 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
 def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optional[int], ckpt: CheckpointConfig,
          results: List[StepResult], bar: Optional[Progress], evaluation: Optional[FitEvaluation]) -> None:
     """Steps from ``feed`` until it ends or ``end`` is reached, PIPELINE_DEPTH in flight in the
-    controller's pipeline ([Note: one step pipeline] in pipeline.py)."""
+    controller's pipeline ([Note: one step pipeline] in execution/pipeline.py)."""
     pipeline = controller.pipeline
     ended = False
     try:

@@ -2,7 +2,7 @@
 
 An evaluation runs only between complete steps: the fit loop sends no step behind one that
 an evaluation follows, and collects that step first (as for a checkpoint, [Note: pipelined
-steps] in fit_loop.py), so the evaluation sees exactly the weights of the step it reports.
+steps] in fit/loop.py), so the evaluation sees exactly the weights of the step it reports.
 Its values go where the steps' go: the progress bar or log lines, the metrics file (one
 record ``{"step", "eval_loss", "eval_<metric>", "time"}``) and the ``evaluation`` of the
 StepResult of the step it followed.
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from zeroray.runtime.controller import Controller
+from zeroray.runtime.controller.controller import Controller
 from zeroray.runtime.data_source import is_ray_dataset
-from zeroray.runtime.progress import Progress
-from zeroray.runtime.step import StepResult
+from zeroray.runtime.fit.progress import Progress
+from zeroray.runtime.execution.step import StepResult
 
 
 class FitEvaluation:

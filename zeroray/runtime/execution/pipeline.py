@@ -2,11 +2,11 @@
 
 [Note: one step pipeline]
 Every step the driver sends goes through ``StepPipeline``: ``Controller.step`` (one step, sent
-and collected), fit's loop (two in flight, [Note: pipelined steps] in fit_loop.py), and the
-Ray Data feed (a "train on your next batch" step, data.py). It owns the steps in flight (the
+and collected), fit's loop (two in flight, [Note: pipelined steps] in fit/loop.py), and the
+Ray Data feed (a "train on your next batch" step, fit/data.py). It owns the steps in flight (the
 only count of them is its queue), and their order: ``send`` / ``send_local`` number a step
 behind the last one sent (``after_ok`` behind another, so that a step queued behind a failed
-one is cancelled, see sequencer.py); ``collect`` waits for the oldest; when a step fails or
+one is cancelled, see worker/sequencer.py); ``collect`` waits for the oldest; when a step fails or
 its Ray Data split has run out, the steps behind it are discarded; ``settle`` collects what is
 still in flight when the driver's side is interrupted, so the counts say what the workers
 applied. The snapshot taken right behind a step ([Note: in-memory snapshots] in snapshot.py)
@@ -30,11 +30,11 @@ from zeroray.engine.batch import batch_size, split_batch
 from zeroray.runtime.batch_transport import PackedBatch
 from zeroray.runtime.data_source import evaluation_batches
 from zeroray.runtime.records import SplitInfo
-from zeroray.runtime.sequencer import Cancelled
+from zeroray.runtime.worker.sequencer import Cancelled
 from zeroray.runtime.snapshot import Snapshot, SnapshotKeeper
-from zeroray.runtime.step import PendingStep, StepResult
+from zeroray.runtime.execution.step import PendingStep, StepResult
 from zeroray.runtime.trainer_state import SHUT_DOWN, StateMachine, TrainerState
-from zeroray.runtime.worker_group import WorkerGroup
+from zeroray.runtime.worker_group.group import WorkerGroup
 
 
 class GroupSlot:
@@ -58,7 +58,7 @@ class GroupSlot:
 
 class Position:
     """How far training is: ``step_count`` (optimizer steps applied) and ``data_position`` (global
-    batches consumed from fit's data, [Note: data replay] in fit_loop.py). Written only through
+    batches consumed from fit's data, [Note: data replay] in fit/loop.py). Written only through
     its methods: ``advance`` as a step is collected, ``set`` for a load, a recovery or a seek."""
 
     def __init__(self) -> None:
@@ -111,7 +111,7 @@ class StepPipeline:
                           tokens)
 
     def send_local(self, *, tokens: Optional[int] = None) -> PendingStep:
-        """Send one step on every worker's next batch of its attached Ray Data split (data.py)."""
+        """Send one step on every worker's next batch of its attached Ray Data split (fit/data.py)."""
         self._require_stepping()
         return self._sent(self.slot.get().call("train_next", after_ok=bool(self.in_flight)), tokens)
 
