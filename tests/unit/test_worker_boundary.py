@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import typing
 from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Tuple
@@ -38,10 +39,16 @@ def _public_methods(cls: type) -> Dict[str, Any]:
     return {name: fn for name, fn in inspect.getmembers(cls, inspect.isfunction) if not name.startswith("_")}
 
 
+def _hints(fn: Any) -> Dict[str, Any]:
+    """``fn``'s annotations, resolved in the module it was written in (an engine call's wrapper
+    carries its method's annotations and module)."""
+    return typing.get_type_hints(fn, globalns=vars(sys.modules[fn.__module__]))
+
+
 def _violations(cls: type) -> Dict[str, List[str]]:
     out = {}
     for name, fn in _public_methods(cls).items():
-        hints = typing.get_type_hints(fn)
+        hints = _hints(fn)
         bad = [f"{param}: {d}" for param, hint in hints.items() for d in _untyped_dicts(hint)]
         if bad:
             out[name] = bad
@@ -52,7 +59,7 @@ def test_no_public_worker_method_takes_or_returns_an_untyped_dict():
     methods = _public_methods(Worker)
     assert len(methods) >= 25  # the check saw the actor's methods (engine calls and polls alike)
     for name, fn in methods.items():  # every one is annotated: a missing return type would hide a dict
-        assert "return" in typing.get_type_hints(fn), f"Worker.{name} has no return annotation"
+        assert "return" in _hints(fn), f"Worker.{name} has no return annotation"
     assert _violations(Worker) == {}
 
 

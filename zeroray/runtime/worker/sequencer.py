@@ -89,9 +89,10 @@ def engine_call(method: Optional[Callable] = None, *, waits_for_copy: bool = Tru
         return self._sequencer.run(ticket, run)
 
     call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
-    # What crosses the boundary (tests/unit/test_worker_boundary.py): the method's annotations,
-    # resolved where the method is (typing follows __wrapped__; Ray reads __signature__ first).
-    call.__annotations__, call.__wrapped__ = method.__annotations__, method
+    # What crosses the boundary (tests/unit/test_worker_boundary.py): the method's annotations, to
+    # be resolved in the method's module. No __wrapped__: Ray unwraps an actor method before it
+    # reads its signature, and would lose the ticket.
+    call.__annotations__, call.__module__ = method.__annotations__, method.__module__
     # Ray checks call arguments against the signature: the same one, with the ticket first.
     signature = inspect.signature(method)
     params = list(signature.parameters.values())
