@@ -79,7 +79,7 @@ class SetupInfo:
 
     ``state_layout``, ``state_rank``: the layout its exported state is cut by and its rank in
     it (``Engine.state_layout()``; stage 0 keeps the whole state on every rank), which a resize
-    cuts the old workers' state for ([Note: resize transfer] in state_transfer.py)."""
+    cuts the old workers' state for ([Note: resize transfer] in worker/state_transfer.py)."""
 
     layout: FlatLayout
     state_layout: FlatLayout

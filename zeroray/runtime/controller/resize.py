@@ -1,6 +1,6 @@
 """The Controller's resize: IDLE -> RESIZING -> IDLE, the same training state on another number of
 workers, moved from the old workers' memory to the new ones' ([Note: resize transfer] in
-state_transfer.py).
+worker/state_transfer.py).
 
 A part of ``Controller`` (controller/controller.py), which it is mixed into.
 """
@@ -22,7 +22,7 @@ class Resizing:
 
         The new workers are placed and built while the old ones still hold the state; only once
         every new worker has loaded its shard are the old ones released ([Note: resize transfer]
-        in state_transfer.py). If the new workers cannot be placed or built, the trainer goes on
+        in worker/state_transfer.py). If the new workers cannot be placed or built, the trainer goes on
         with its old workers and the error says so."""
         ScalingConfig(num_workers=num_workers)  # validates
         self.states.enter(TrainerState.RESIZING)

@@ -252,7 +252,7 @@ class Worker(SnapshotCalls):
     def export_pieces(self, targets: List[Tuple[FlatLayout, int]]) -> Tuple[Any, ...]:
         """Resize, old side: one piece of this rank's state per new worker ([Note: resize transfer]),
         then a small record (the step count) the driver waits on. Called with num_returns=M+1."""
-        from zeroray.runtime.state_transfer import cut_pieces
+        from zeroray.runtime.worker.state_transfer import cut_pieces
 
         # live: cut_pieces copies what it sends, within this call's turn (no update runs beside it)
         tensors, scalars = self.engine.export_state(live=True)
@@ -303,7 +303,7 @@ class Worker(SnapshotCalls):
         """Resize, new side: this rank's state from the old workers' pieces for it, fetched one at a
         time (the refs arrive in a list, so Ray does not fetch them all before the call), and the
         old rank 0's buffers and frozen parameters (``untrained_state``)."""
-        from zeroray.runtime.state_transfer import PieceAssembler
+        from zeroray.runtime.worker.state_transfer import PieceAssembler
 
         layout, _ = self.engine.state_layout()
         assembler = PieceAssembler(layout)

@@ -16,7 +16,7 @@ import torch
 
 from zeroray.layout.arena import FlatLayout
 from zeroray.runtime.records import SnapshotRecord
-from zeroray.runtime.state_transfer import PieceAssembler, cut_pieces, from_wire, to_wire
+from zeroray.runtime.worker.state_transfer import PieceAssembler, cut_pieces, from_wire, to_wire
 from zeroray.runtime.worker.sequencer import Cancelled, Ticket, engine_call
 
 # How long an engine call waits for a snapshot's arrays to be let go of before it runs the

@@ -37,7 +37,7 @@ a new collective group of their own number, each building its engine for the sma
 (``Worker.setup``'s ``world_size``). The controller then loads the in-memory snapshot into
 them as it does after a replacement: each worker fetches the old shards that hold its slices
 of the new layout, the lost rank's included (from its buddy's copy where its node died), the
-same range math as a resize ([Note: resize transfer] in state_transfer.py). So the state is
+same range math as a resize ([Note: resize transfer] in worker/state_transfer.py). So the state is
 resharded from N to N-1 in memory, and at most the failed step is redone. Without snapshots
 no survivor is kept, and where the snapshot is lost (a worker and its buddy both died) the
 disk checkpoint is loaded into the shrunk group instead, as a restart does. The lost rank's
