@@ -33,10 +33,11 @@ import ray
 import torch
 
 from zeroray.layout.arena import FlatLayout
-from zeroray.config import ScalingConfig, ZeroConfig
+from zeroray.config import FailureConfig, ScalingConfig, ZeroConfig
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.controller.checkpointing import Checkpointing
 from zeroray.runtime.controller.optimizer_restore import RestoreChoice
+from zeroray.runtime.controller.policy import FailurePolicy, ScalingPolicy
 from zeroray.runtime.controller.recovery import Recovery
 from zeroray.runtime.controller.resize import Resizing
 from zeroray.runtime.execution.pipeline import GroupSlot, Position, StepPipeline
@@ -65,6 +66,8 @@ class Controller(Recovery, Checkpointing, Resizing):
         self.last_recovery_s: Optional[float] = None  # fit: seconds from a worker failure to resuming
         self.recoveries: List[RecoveryRecord] = []    # fit: one record per restart (cause, timing, size)
         self._fit_origin = (0, 0)                  # (step_count, data_position) where this fit began
+        self.policies: Tuple[FailurePolicy, ScalingPolicy] = (FailurePolicy(0), ScalingPolicy(
+            scaling.num_workers, scaling.min_workers, scaling.cpus_per_worker, scaling.use_gpu))  # fit's
         # what the optimizer was built from and which of it was given: Trainer.restore's choice,
         # which every load of a checkpoint follows ([Note: restoring the optimizer] in controller/optimizer_restore.py)
         self.restore_choice = RestoreChoice(spec.optimizer, spec.param_groups, spec.scheduler)
@@ -187,11 +190,15 @@ class Controller(Recovery, Checkpointing, Resizing):
 
     # --- fit -------------------------------------------------------------------------------
 
-    def begin_fit(self, skip: Optional[int], snapshot_every: Optional[int] = None) -> None:
+    def begin_fit(self, skip: Optional[int], failure: FailureConfig) -> None:
         """IDLE -> FITTING: the fit's data starts at ``skip`` (default: the current data position);
-        every ``snapshot_every`` steps an in-memory snapshot ([Note: in-memory snapshots])."""
+        every ``failure.snapshot_every`` steps an in-memory snapshot ([Note: in-memory snapshots]);
+        this fit's failure and scaling policies, which ``recover`` asks."""
         self.states.enter(TrainerState.FITTING)
-        self.pipeline.snapshots = SnapshotKeeper(snapshot_every)
+        self.pipeline.snapshots = SnapshotKeeper(failure.snapshot_every)
+        self.policies = (FailurePolicy(failure.max_failures),
+                         ScalingPolicy(self.scaling.num_workers, self.scaling.min_workers,
+                                       self.scaling.cpus_per_worker, self.scaling.use_gpu))
         self.group.keep_survivors = self._replaceable()
         self.position.set(data_position=skip)
         self._fit_origin = (self.step_count, self.data_position)

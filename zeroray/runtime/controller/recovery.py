@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import ray
 
-from zeroray.runtime.controller.policy import Action, FailurePolicy, ScalingPolicy
+from zeroray.runtime.controller.policy import Action, ScalingPolicy
 from zeroray.runtime.failures import PlacementError, WorkerSetupError, is_worker_failure
 from zeroray.runtime.records import RecoveryRecord
 from zeroray.runtime.snapshot import Snapshot, needed_ranks
@@ -24,15 +24,16 @@ from zeroray.runtime.trainer_state import TrainerState
 class Recovery:
     """``Controller.recover`` and what it does; mixed into the Controller (its state is the Controller's)."""
 
-    def recover(self, error: BaseException, failures: FailurePolicy, scaling: ScalingPolicy,
-                note: Callable[[str], None]) -> None:
-        """FITTING -> RECOVERING -> FITTING: ask the FailurePolicy; raise, or rebuild the group
-        (of the size the ScalingPolicy decides) and load the last checkpoint.
+    def recover(self, error: BaseException, note: Callable[[str], None]) -> None:
+        """FITTING -> RECOVERING -> FITTING: ask this fit's FailurePolicy (``begin_fit`` built it);
+        raise, or rebuild the group (of the size its ScalingPolicy decides) and load the newest
+        snapshot or checkpoint.
 
         The group already tore itself down when it raised (see [Note: failure detection] in
         worker_group/failure_detection.py). A failure while restarting (another worker dies) counts as one more.
         """
         detected = time.monotonic()
+        failures, scaling = self.policies
         applied = self.step_count  # steps applied when the failure was seen: those past the checkpoint are redone
         self.states.enter(TrainerState.RECOVERING)
         attempts = 0  # replacements or restarts tried; a death during one counts as one more failure

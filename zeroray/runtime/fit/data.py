@@ -1,4 +1,5 @@
-"""Ray Data input, the driver side: every worker pulls its own split of a ``ray.data.Dataset``.
+"""fit's data feeds: the driver's own batches (``BatchFeed``), or Ray Data input, where every worker
+pulls its own split of a ``ray.data.Dataset`` (``RayDataFeed``, the driver side).
 
 ``trainer.fit(dataset, batch_size=GLOBAL)`` cuts the dataset with
 ``dataset.streaming_split(num_workers, equal=True)``, in a fixed order ([Note: Ray Data
@@ -31,11 +32,16 @@ One ``fit`` call is one pass at most: it stops when the splits run out.
 """
 from __future__ import annotations
 
+import itertools
 import uuid
 import warnings
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+import torch
 
 from zeroray.engine.batch import split_sizes
+from zeroray.runtime.data_source import is_ray_dataset
 from zeroray.runtime.execution.pipeline import StepPipeline
 from zeroray.runtime.execution.step import PendingStep
 
@@ -107,3 +113,43 @@ class RayDataFeed:
 
     def close(self) -> None:
         self.pipeline.detach(self.feed_id)
+
+
+class BatchFeed:
+    """fit's source of steps for an iterable of global batches: the driver sends each batch."""
+
+    def __init__(self, pipeline: StepPipeline, data: Any, skip: int) -> None:
+        self.pipeline = pipeline
+        self.batches = itertools.islice(iter(data), skip, None)
+
+    def send(self) -> Optional[PendingStep]:
+        """A step on the next batch, sent through the pipeline; None when the data has ended."""
+        for batch in self.batches:
+            return self.pipeline.send(batch, tokens=_tokens(batch))
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _tokens(batch: Any) -> Optional[int]:
+    first = batch[0] if isinstance(batch, (list, tuple)) else (
+        next(iter(batch.values())) if isinstance(batch, Mapping) else batch)
+    return int(first.numel()) if isinstance(first, torch.Tensor) else None
+
+
+Feed = Union[BatchFeed, RayDataFeed]
+
+
+def feed_for(controller: Any, data: Any, batch_size: Optional[int]) -> Feed:
+    """fit's source of steps for ``data`` on the controller's pipeline, from its data position: a
+    Ray Data feed (every worker pulls its own split) or the driver's own batches."""
+    if is_ray_dataset(data):
+        return RayDataFeed(controller.pipeline, data, batch_size, controller.data_position,
+                           controller.zero.grad_accum_steps)
+    return BatchFeed(controller.pipeline, data, controller.data_position)
+
+
+def replayable(data: Any) -> bool:
+    """Whether fit can iterate ``data`` again after a failure ([Note: data replay] in fit/loop.py)."""
+    return is_ray_dataset(data) or iter(data) is not data

@@ -28,56 +28,19 @@ step that was in flight behind it).
 """
 from __future__ import annotations
 
-import itertools
 import logging
-from collections.abc import Mapping
-from typing import Any, List, Optional, Union
-
-import torch
+from typing import Any, List, Optional
 
 from zeroray.config import CheckpointConfig, FailureConfig
 from zeroray.runtime.controller.controller import Controller
-from zeroray.runtime.fit.data import RayDataFeed
-from zeroray.runtime.data_source import is_ray_dataset
+from zeroray.runtime.fit.data import Feed, feed_for, replayable
 from zeroray.runtime.fit.evaluation import FitEvaluation
-from zeroray.runtime.execution.pipeline import StepPipeline
-from zeroray.runtime.controller.policy import FailurePolicy, ScalingPolicy
 from zeroray.runtime.fit.progress import Progress
-from zeroray.runtime.execution.step import PendingStep, StepResult
+from zeroray.runtime.execution.step import StepResult
 
 log = logging.getLogger("zeroray")
 
 PIPELINE_DEPTH = 2  # steps in flight: the one running and the one queued behind it
-
-
-class BatchFeed:
-    """fit's source of steps for an iterable of global batches: the driver sends each batch."""
-
-    def __init__(self, pipeline: StepPipeline, data: Any, skip: int) -> None:
-        self.pipeline = pipeline
-        self.batches = itertools.islice(iter(data), skip, None)
-
-    def send(self) -> Optional[PendingStep]:
-        """A step on the next batch, sent through the pipeline; None when the data has ended."""
-        for batch in self.batches:
-            return self.pipeline.send(batch, tokens=_tokens(batch))
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-def _tokens(batch: Any) -> Optional[int]:
-    first = batch[0] if isinstance(batch, (list, tuple)) else (
-        next(iter(batch.values())) if isinstance(batch, Mapping) else batch)
-    return int(first.numel()) if isinstance(first, torch.Tensor) else None
-
-
-def _feed(controller: Controller, data: Any, batch_size: Optional[int]) -> Union[BatchFeed, RayDataFeed]:
-    if is_ray_dataset(data):  # every worker pulls its own split (runtime/fit/data.py)
-        return RayDataFeed(controller.pipeline, data, batch_size, controller.data_position,
-                           controller.zero.grad_accum_steps)
-    return BatchFeed(controller.pipeline, data, controller.data_position)
 
 
 def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batch_size: Optional[int],
@@ -86,18 +49,14 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
     """Trainer.fit: see its docstring, [Note: pipelined steps] and [Note: data replay]."""
     if num_steps is not None and (not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0):
         raise ValueError(f"num_steps={num_steps!r} must be an int >= 0, or None to run until the data ends")
-    replayable = is_ray_dataset(data) or iter(data) is not data
-    if failure.max_failures > 0 and not replayable:
+    if failure.max_failures > 0 and not replayable(data):
         raise ValueError("fit with FailureConfig(max_failures>0) needs re-iterable data (a list, or an object "
                          "whose __iter__ starts over), so batches can be replayed after a failure; "
                          "got a one-shot iterator")
-    controller.begin_fit(skip, failure.snapshot_every)
+    controller.begin_fit(skip, failure)
     try:
         end = None if num_steps is None else controller.data_position + num_steps
-        failures = FailurePolicy(failure.max_failures)
-        scaling = ScalingPolicy(controller.scaling.num_workers, controller.scaling.min_workers,
-                                controller.scaling.cpus_per_worker, controller.scaling.use_gpu)
-        feed = _feed(controller, data, batch_size)  # checks a Dataset's batch_size before any step
+        feed = feed_for(controller, data, batch_size)  # checks a Dataset's batch_size before any step
         bar = Progress(num_steps, metrics_path=metrics_path) if progress else None
         note = bar.note if bar else log.warning
         results: List[StepResult] = []
@@ -114,14 +73,14 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
                     break
                 except Exception as error:  # noqa: BLE001 - classified by recover: raise, or restart
                     feed.close()
-                    controller.recover(error, failures, scaling, note)
+                    controller.recover(error, note)
                     results[:] = [r for r in results if r.step <= controller.step_count]  # replayed below
                     # From an in-memory snapshot, recovery may resume exactly at a step whose save
                     # the failure interrupted (a worker died writing it): the loop would not save
                     # that step again, and a later recovery would find only an older checkpoint.
                     resave = (controller.step_count > 0 and _saves_after(controller.step_count, checkpoint)
                               and controller.last_checkpoint_step != controller.step_count)
-                    feed = _feed(controller, data, batch_size)
+                    feed = feed_for(controller, data, batch_size)
         finally:
             feed.close()
             if bar:
@@ -131,7 +90,7 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
         controller.end_fit()
 
 
-def _run(controller: Controller, feed: Union[BatchFeed, RayDataFeed], end: Optional[int], ckpt: CheckpointConfig,
+def _run(controller: Controller, feed: Feed, end: Optional[int], ckpt: CheckpointConfig,
          results: List[StepResult], bar: Optional[Progress], evaluation: Optional[FitEvaluation]) -> None:
     """Steps from ``feed`` until it ends or ``end`` is reached, PIPELINE_DEPTH in flight in the
     controller's pipeline ([Note: one step pipeline] in execution/pipeline.py)."""
