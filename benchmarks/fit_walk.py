@@ -1,8 +1,10 @@
 """The fit walk: the files of ``zeroray/runtime/`` one fit passes through, in order (docs/architecture.md).
 
 A profiler hook (``sys.setprofile``) on the driver follows control through one ``trainer.fit``
-from the moment it enters ``run_fit``: at every call the code moves into the callee's file, at
-every return back into the caller's. Only files under ``zeroray/runtime/`` are recorded (time
+from the moment it enters ``run_fit``, as a reader follows the code: each function is read once,
+at its first call (a second call of it, the next step's, and everything under that call are
+skipped: the reader knows them already). At every call the walk moves into the callee's file,
+at every return back into the caller's. Only files under ``zeroray/runtime/`` are recorded (time
 spent in torch, ray or the layers below is not a stop); consecutive events in one file are one
 stop. Then: ``stops`` (the path's length), ``files`` (distinct ones) and ``returns`` (stops in a
 file the path had already left). The fit is the one a reader follows: 2 workers, 2 steps on a
@@ -52,11 +54,23 @@ def walk(steps: int = 2) -> List[str]:
         if not path or path[-1] != name:
             path.append(name)
 
+    read: set = set()      # the functions read already (their code objects)
+    skipped: set = set()   # the frames inside a function read before
+
     def profile(frame, event, arg) -> None:
         if event == "call":
+            if id(frame.f_back) in skipped or (started[0] and frame.f_code in read):
+                skipped.add(id(frame))
+                return
             where(frame.f_code.co_filename)
-        elif event == "return" and frame.f_back is not None:
-            where(frame.f_back.f_code.co_filename)
+            if started[0] and frame.f_code.co_filename.startswith(root):
+                read.add(frame.f_code)
+        elif event == "return":
+            if id(frame) in skipped:
+                skipped.discard(id(frame))
+                return
+            if frame.f_back is not None:
+                where(frame.f_back.f_code.co_filename)
 
     with tempfile.TemporaryDirectory() as ckpt:
         trainer = zr.Trainer(lambda: torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)),
