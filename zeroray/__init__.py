@@ -1,9 +1,9 @@
 """zeroray: ZeRO sharded training (stages 0-3, ZeRO-R) of PyTorch models on Ray."""
-from zeroray.config import (Adam, AdamW, CheckpointConfig, FailureConfig, SGD, ScalingConfig,
-                            ZeroConfig)
+from zeroray.config import (Adam, AdamW, CheckpointConfig, Elementwise, FailureConfig, SGD, ScalingConfig,
+                            ZeroConfig, elementwise)
 from zeroray.context import WorkerContext, worker_context
 
-__all__ = ["Adam", "AdamW", "SGD", "ZeroConfig", "ScalingConfig", "FailureConfig",
+__all__ = ["Adam", "AdamW", "SGD", "elementwise", "Elementwise", "ZeroConfig", "ScalingConfig", "FailureConfig",
            "CheckpointConfig", "Trainer", "StepResult", "estimate_memory", "WorkerContext", "worker_context"]
 
 

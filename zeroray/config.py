@@ -52,7 +52,9 @@ class ZeroConfig:
         DDP cuts them, so that reduction runs during backward ([Note: first bucket] in
         comm/bucket_plan.py). "auto": gradient buckets start at the default size and, between
         steps, move to the size of the largest run of gradients that arrive within the flush timeout of each other
-        (each change logged on the "zeroray" logger); gathers keep the default size.
+        (each change logged on the "zeroray" logger); gathers keep the default size. It also bounds
+        the buffers of one chunk of an optimizer that steps whole parameters ([Note: whole-parameter
+        exchange] in zeroray/engine/param_exchange.py; with offload="disk": offload_chunk_bytes).
     bucket_timeout_ms: flush timeout of a gradient bucket (None: off, a bucket is launched when
         full and at the end of backward). A bucket is also launched when this long has passed
         since its first gradient arrived, as planned from the gradients' measured arrival in
@@ -451,12 +453,48 @@ class SGD(_OptimizerSpec):
         return 1 if self.momentum > 0 else 0
 
 
-OptimizerSpec = Union[_OptimizerSpec, Callable[[Any], Any]]
+@dataclass(frozen=True)
+class Elementwise:
+    """A callable ``params -> torch.optim.Optimizer`` its user declares element-wise: each element's
+    update reads only that element's parameter value, gradient and state (and per-parameter
+    scalars such as a step count), never a parameter's shape, a norm over a tensor or another
+    element. zeroray then steps it on flat pieces of the shard, the fast path its own specs and
+    torch's element-wise classes take ([Note: optimizer paths] in zeroray/engine/optim_choice.py).
+    Declaring an optimizer that is not element-wise trains another model: leave it undeclared
+    and it sees every parameter with its real shape. Made by ``zr.elementwise(fn)``."""
+
+    fn: Callable[[Any], Any]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fn, (_OptimizerSpec, Elementwise)):
+            raise ValueError(f"elementwise({self.fn!r}): zeroray's own specs are element-wise already; pass them as they are")
+        if isinstance(self.fn, type) or not callable(self.fn):
+            raise ValueError(f"elementwise(fn={self.fn!r}) needs a callable params -> torch.optim.Optimizer, "
+                             "such as `lambda params: torch.optim.Adam(params, lr=1e-3)`")
+
+    def build(self, params: Any) -> Any:  # -> torch.optim.Optimizer
+        return self.fn(params)
+
+
+def elementwise(fn: Callable[[Any], Any]) -> Elementwise:
+    """Declare the optimizer ``fn`` builds element-wise, so that it runs on flat shard pieces (see
+    ``Elementwise``): for a user's own optimizer, or a subclass of a torch one, known to be so."""
+    return Elementwise(fn)
+
+
+OptimizerSpec = Union[_OptimizerSpec, Elementwise, Callable[[Any], Any]]
+
+
+def known_elementwise(spec: Any) -> bool:
+    """Whether ``spec`` is element-wise by what it is, before anything is built: zeroray's own
+    specs and the ones a user declared (``elementwise``)."""
+    return isinstance(spec, (_OptimizerSpec, Elementwise))
 
 
 def validate_optimizer(spec: Any) -> None:
-    """An optimizer spec is one of ours or a callable params -> torch.optim.Optimizer."""
-    if isinstance(spec, _OptimizerSpec):
+    """An optimizer spec is one of ours, a declared element-wise callable, or any callable params
+    -> torch.optim.Optimizer."""
+    if isinstance(spec, (_OptimizerSpec, Elementwise)):
         return
     if isinstance(spec, type):
         raise ValueError(

@@ -2,8 +2,11 @@
 restore rebuilds from it ([Note: rebuilt from data] in engine/optim_rebuild.py) and what a load
 takes of it ([Note: restoring the optimizer] in runtime/controller/optimizer_restore.py), on one engine in
 one process (SoloGroup): no Ray. The record goes through JSON text each time, as a manifest
-holds it; the restored engine must go on bitwise as the one that saved. The same through real
-Ray workers at stages 0-3: tests/ray/test_restore_optimizer.py.
+holds it; the restored engine must go on bitwise as the one that saved, on the optimizer path
+the saved one took (flat pieces, or whole parameters: [Note: optimizer paths] in
+zeroray/engine/optim_choice.py). The same through real Ray workers at stages 0-3:
+tests/ray/test_restore_optimizer.py (and tests/ray/test_whole_param_trainer.py for the
+whole-parameter path).
 """
 import collections
 import json
@@ -16,12 +19,15 @@ from torch.optim import lr_scheduler as L
 import zeroray as zr
 from zeroray.comm.group import SoloGroup
 from zeroray.engine.engine import Engine
+from zeroray.engine.optim import ShardedOptimizer
+from zeroray.engine.shaped_optim import WholeParamOptimizer
 from zeroray.engine.optim_rebuild import (SCHEDULERS, NamedOverrides, RebuildError, TorchOptimizer, TorchScheduler,
                                           rebuild_optimizer, rebuild_scheduler)
 from zeroray.engine.optim_record import (decode, encode, hyperparameters, load_scheduler_state, merge_parts,
                                          scheduler_state, with_plan)
 from zeroray.runtime.controller.optimizer_restore import RestoreChoice, choose, plan_load
-from tests.models import lm_loss, make_batches, parity_model
+from tests.models import DIM, VOCAB, lm_loss, make_batches, parity_model
+from tests.whole_param_optimizers import Lamb, muon_adamw
 
 BATCHES = make_batches(6, batch=4)
 
@@ -33,6 +39,19 @@ def no_decay(name, param):
 
 class MyAdam(torch.optim.Adam):
     """A user's own optimizer class: code, which no checkpoint may name for import."""
+
+
+class Matrices(torch.nn.Module):
+    """Every trainable parameter 2-D: what torch.optim.Muon alone takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.mid = torch.nn.Linear(DIM, DIM, bias=False)
+        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.mid(self.emb(idx))))
 
 
 RECIPES = {
@@ -49,11 +68,19 @@ RECIPES = {
         scheduler=lambda opt: L.CosineAnnealingWarmRestarts(opt, T_0=2, T_mult=2)),
     "zr.SGD, MultiStepLR": dict(optimizer=zr.SGD(lr=0.1, momentum=0.9),
                                 scheduler=lambda opt: L.MultiStepLR(opt, milestones=[2, 4, 4], gamma=0.5)),
+    # whole parameters: torch classes that are not element-wise, rebuilt from data
+    "Adafactor, no-decay groups, StepLR": dict(
+        optimizer=lambda p: torch.optim.Adafactor(p, lr=1e-2, weight_decay=0.1), param_groups=no_decay,
+        scheduler=lambda opt: L.StepLR(opt, step_size=2, gamma=0.5)),
+    "Muon on a model of matrices": dict(optimizer=lambda p: torch.optim.Muon(p, lr=0.02, weight_decay=0.01),
+                                        model_fn=Matrices),
+    # a declaration is kept: Adafactor declared element-wise runs on flat pieces, and so must its restore
+    "zr.elementwise(Adafactor)": dict(optimizer=zr.elementwise(lambda p: torch.optim.Adafactor(p, lr=1e-2))),
 }
 
 
-def engine(optimizer=None, param_groups=None, scheduler=None, stage=0):
-    return Engine(parity_model, lm_loss, optimizer or zr.AdamW(), zr.ZeroConfig(stage=stage), SoloGroup(),
+def engine(optimizer=None, param_groups=None, scheduler=None, stage=0, model_fn=parity_model):
+    return Engine(model_fn, lm_loss, optimizer or zr.AdamW(), zr.ZeroConfig(stage=stage), SoloGroup(),
                   param_groups=param_groups, scheduler=scheduler)
 
 
@@ -65,11 +92,11 @@ def as_saved(e, recipe):
             json.loads(json.dumps(record)))
 
 
-def restored(saved, choice_given=None, fresh=False, stage=0):
+def restored(saved, choice_given=None, fresh=False, stage=0, model_fn=parity_model):
     """A new engine as Trainer.restore builds and loads it (choose, then plan_load, then import)."""
     tensors, scalars, record = saved
     choice = choose(record, "ckpt", choice_given or {}, fresh)
-    e = engine(choice.optimizer, choice.param_groups, choice.scheduler, stage=stage)
+    e = engine(choice.optimizer, choice.param_groups, choice.scheduler, stage=stage, model_fn=model_fn)
     live = merge_parts([e.optimizer_record()], choice.optimizer, choice.param_groups)
     plan = plan_load(record, [scalars], live, choice, fresh)
     e.import_state(*with_plan(tensors, scalars, plan.for_workers()))
@@ -88,8 +115,9 @@ def test_restored_without_restating_goes_on_bitwise(name, stage):
     saving = engine(**recipe, stage=stage)
     train(saving, BATCHES[:3])
     saved = as_saved(saving, recipe)
-    again, plan = restored(saved, stage=stage)
+    again, plan = restored(saved, stage=stage, model_fn=recipe.get("model_fn", parity_model))
     assert plan.lines and plan.lines[0].endswith("all from the checkpoint"), plan.lines
+    assert type(again.optimizer) is type(saving.optimizer)  # the same path
     before = [dict(g) for g in again.optimizer.inner.param_groups]
     assert [hyperparameters(g) for g in before] == [hyperparameters(g) for g in saving.optimizer.inner.param_groups]
     train(saving, BATCHES[3:])
@@ -383,3 +411,62 @@ def test_a_restated_scheduler_takes_its_new_arguments_and_the_saved_position():
     assert plan.lines == ("restore: scheduler ExponentialLR (from scheduler= given to restore) starts from its "
                           "beginning (the checkpoint's StepLR)",)
     assert other.optimizer.scheduler.last_epoch == 0 and other.optimizer.inner.param_groups[0]["lr"] == 0.1
+
+
+def test_the_whole_parameter_path_is_recorded_and_refused_or_rebuilt_as_the_flat_one():
+    """Adafactor takes the whole-parameter path and is rebuilt onto it; a user's recipe class
+    (the Muon recipe, one optimizer) is code: restore says to restate it, and restated it goes
+    on bitwise; a declared element-wise callable is recorded as declared, and one whose class
+    is the user's is refused with the declaration in the example."""
+    recipe = RECIPES["Adafactor, no-decay groups, StepLR"]
+    e = engine(**recipe)
+    assert isinstance(e.optimizer, WholeParamOptimizer)
+    train(e, BATCHES[:3])
+    tensors, scalars, record = as_saved(e, recipe)
+    assert record["class"] == "torch.optim.Adafactor" and record["spec"]["kind"] == "callable"
+    assert record["state_keys"] == ["col_var", "row_var", "step"]  # factored: the probe parameter is 2-D
+    assert {json.dumps(g["overrides"]) for g in record["groups"]} == {"{}", '{"weight_decay": 0.0}'}
+    assert scalars["optim_path"] == "whole_params" and scalars["groups"] and scalars["scheduler"]["last_epoch"] == 3
+    assert any(k.startswith("param_state/") and k.endswith("/row_var") for k in tensors)
+
+    recipe = dict(optimizer=muon_adamw)
+    e = engine(**recipe)
+    train(e, BATCHES[:3])
+    saved = as_saved(e, recipe)
+    assert saved[2]["class"] == "tests.whole_param_optimizers.MuonAdamW"
+    with pytest.raises(RebuildError, match=r"MuonAdamW.*not one of torch.optim's own classes.*optimizer=lambda params"):
+        choose(saved[2], "ckpt", {})
+    again, _ = restored(saved, {"optimizer": muon_adamw})
+    train(e, BATCHES[3:])
+    train(again, BATCHES[3:])
+    assert torch.equal(again.master_shard(), e.master_shard())
+
+    declared = zr.elementwise(lambda p: torch.optim.Adam(p, lr=1e-2))
+    record = as_saved(engine(declared), {"optimizer": declared})[2]
+    assert record["spec"]["kind"] == "elementwise" and record["spec"]["name"].endswith(".<locals>.<lambda>")
+    rebuilt = rebuild_optimizer(record)
+    assert rebuilt == zr.elementwise(TorchOptimizer("Adam", rebuilt.fn.kwargs)) and rebuilt.fn.kwargs["lr"] == 1e-2
+    own = zr.elementwise(lambda p: MyAdam(p, lr=1e-2))
+    record = as_saved(engine(own), {"optimizer": own})[2]
+    with pytest.raises(RebuildError, match=r"optimizer=zr.elementwise\(lambda params: MyAdam\(params, \.\.\.\)\)"):
+        choose(record, "ckpt", {})
+
+
+def test_a_whole_parameter_state_into_a_flat_optimizer_needs_fresh_optimizer():
+    """LAMB's state keys are AdamW's, but they are whole parameters' state: zr.AdamW restated
+    cannot take them (flat pieces), and says so; fresh_optimizer=True starts it fresh. Adafactor's
+    keys do not fit AdamW's at all: refused before anything is built."""
+    recipe = dict(optimizer=lambda p: Lamb(p, lr=1e-2))
+    e = engine(**recipe)
+    train(e, BATCHES[:2])
+    saved = as_saved(e, recipe)
+    with pytest.raises(ValueError, match="stepped on whole parameters.*pass fresh_optimizer=True"):
+        restored(saved, {"optimizer": zr.AdamW()})
+    again, plan = restored(saved, {"optimizer": zr.AdamW(lr=1e-3)}, fresh=True)
+    assert isinstance(again.optimizer, ShardedOptimizer) and not again.optimizer.inner.state
+    assert torch.equal(again.master_shard(), e.master_shard())
+    recipe = RECIPES["Adafactor, no-decay groups, StepLR"]
+    e = engine(**recipe)
+    train(e, BATCHES[:2])
+    with pytest.raises(ValueError, match="does not fit it. Pass fresh_optimizer=True"):
+        choose(as_saved(e, recipe)[2], "ckpt", {"optimizer": zr.AdamW()})

@@ -4,6 +4,7 @@ problem (printed to stderr, one line, saying what to do)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import List, Optional, TextIO
 
@@ -12,6 +13,8 @@ from zeroray.checkpoint.errors import CheckpointError
 from zeroray.checkpoint.filesystem import PathLike
 from zeroray.checkpoint.reader import CheckpointReader
 from zeroray.checkpoint.store import load_manifest
+from zeroray.checkpoint.tensorfile import dtype_from_code
+from zeroray.layout.owners import split_owned_key
 
 
 def _size(n: int) -> str:
@@ -40,6 +43,17 @@ def cli_inspect(path: PathLike, out: Optional[TextIO] = None) -> int:
     print(f"parameters: {trainable:,} trainable in {len(m.flat_layout().units)} units"
           + (f", {extra:,} in frozen parameters and buffers" if m.extra_tensors else ""), file=out)
     print(f"sharded tensors: {', '.join(m.sharded_keys)}", file=out)
+    owned = m.owned_keys
+    if owned:
+        names = set(m.flat_layout().param_names)
+        params = {split_owned_key(k, names)[0] for k in owned}
+        state_keys = sorted({split_owned_key(k, names)[1] for k in owned})
+        nbytes = [0] * m.world_size
+        for key, rank in owned.items():
+            entry = m.tensors[key]
+            nbytes[rank] += math.prod(entry["shape"]) * dtype_from_code(entry["dtype"]).itemsize
+        print(f"whole-parameter optimizer state: {len(owned)} tensors ({', '.join(state_keys)}) of "
+              f"{len(params)} parameters, by owner rank: {', '.join(_size(b) for b in nbytes)}", file=out)
     print(f"config: {json.dumps(m.config, sort_keys=True)}", file=out)
     if m.extra:
         print(f"extra: {json.dumps(m.extra, sort_keys=True)}", file=out)
@@ -72,7 +86,7 @@ def _optimizer_lines(record: Optional[dict]) -> List[str]:
         return ["optimizer: not recorded (saved before zeroray recorded the optimizer: restore needs optimizer=)"]
     spec = record["spec"]
     made_by = (f"zr.{spec['class']} {json.dumps(spec['fields'], sort_keys=True)}" if spec["kind"] == "zeroray"
-               else spec["name"])
+               else f"zr.elementwise({spec['name']})" if spec["kind"] == "elementwise" else spec["name"])
     lines = [f"optimizer: {record['class']}, built by {made_by}",
              f"  defaults: {json.dumps(record['defaults'], sort_keys=True)}"
              + (f" (not recorded: {', '.join(record['unrecorded'])})" if record["unrecorded"] else ""),

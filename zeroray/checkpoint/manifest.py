@@ -158,7 +158,9 @@ class Manifest:
     layout: Dict[str, Any]                 # FlatLayout.to_dict()
     shards: List[FileEntry]                # index = rank
     scalars: List[Dict[str, Any]]          # index = rank
-    tensors: Dict[str, Dict[str, Any]]     # key -> {"dtype": code, "sharded": bool, "shape": [...]}
+    # key -> {"dtype": code, "sharded": bool, "shape": [...]}, and for a whole parameter's
+    # optimizer state (layout/owners.py) "owner": the rank whose file alone holds it
+    tensors: Dict[str, Dict[str, Any]]
     config: Dict[str, Any] = field(default_factory=dict)
     data_position: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -190,7 +192,13 @@ class Manifest:
     @property
     def rank_keys(self) -> List[str]:
         """Per-rank tensors that are not sharded (taken from one source rank when resharding)."""
-        return [k for k, v in self.tensors.items() if not v["sharded"]]
+        return [k for k, v in self.tensors.items() if not v["sharded"] and "owner" not in v]
+
+    @property
+    def owned_keys(self) -> Dict[str, int]:
+        """Whole parameters' optimizer state: key -> the rank whose file holds it (read by
+        whichever rank owns the parameter at the world size it is loaded at)."""
+        return {k: v["owner"] for k, v in self.tensors.items() if "owner" in v}
 
     def files(self) -> List[FileEntry]:
         return list(self.shards) + ([self.extra_tensors] if self.extra_tensors else [])
@@ -288,6 +296,10 @@ class Manifest:
         if not any(v.get("sharded") for v in self.tensors.values()) or "master" not in self.tensors:
             raise bad(f"no sharded \"master\" tensor is listed (tensors: {sorted(self.tensors)})")
         for key, v in self.tensors.items():
+            owner = v.get("owner")
+            if owner is not None and (not isinstance(owner, int) or isinstance(owner, bool)
+                                      or not 0 <= owner < self.world_size):
+                raise bad(f"tensor {key!r} names owner {owner!r}, not a rank of world size {self.world_size}")
             if v.get("sharded") and list(v.get("shape", [])) != [layout.shard_numel]:
                 raise bad(f"sharded tensor {key!r} has shape {v.get('shape')}, expected "
                           f"[{layout.shard_numel}] for the recorded layout")

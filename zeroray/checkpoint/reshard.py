@@ -13,7 +13,9 @@ zero. The plan serves a resize in memory (``reshard_in_memory``) and a restore f
 
 Scalars and other per-rank values are not sharded: optimizer step counts and loss-scaler
 state are identical on every rank, so new rank ``r`` takes those of old rank
-``min(r, N - 1)``. Per-rank RNG states are therefore reused for ranks that existed and
+``min(r, N - 1)``. The state of an optimizer that steps whole parameters is neither: each
+parameter's is in its owner's file alone, and goes to the parameter's owner at the new world
+size ([Note: parameter owners] in layout/owners.py). Per-rank RNG states are therefore reused for ranks that existed and
 repeated for new ones; a runtime that needs distinct streams re-seeds the added ranks.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 import torch
 
 from zeroray.layout.arena import FlatLayout
+from zeroray.layout.owners import is_owned_key, owned_by, split_owned_key
 from zeroray.checkpoint.errors import CheckpointError
 from zeroray.checkpoint.filesystem import PathLike
 from zeroray.checkpoint.manifest import Manifest
@@ -121,18 +124,21 @@ def reshard_in_memory(old_layout: FlatLayout, old_states: Sequence[Mapping[str, 
                       new_layout: FlatLayout, new_rank: int) -> Dict[str, Any]:
     """``new_rank``'s state (same keys as the old states) from every old rank's state.
 
-    Sharded keys ("master", "optim.*" 1-D of shard_numel) are resharded; "scalars" and any
-    other value are deep-copied from old rank ``min(new_rank, N - 1)`` (see [Note: resharding])."""
+    Sharded keys ("master", "optim.*" 1-D of shard_numel) are resharded; a whole parameter's
+    optimizer state goes to its new owner; "scalars" and any other value are deep-copied from
+    old rank ``min(new_rank, N - 1)`` (see [Note: resharding])."""
     if len(old_states) != old_layout.world_size:
         raise ValueError(f"got {len(old_states)} old states for an old layout of world size "
                          f"{old_layout.world_size}; pass one state per old rank, in rank order")
     copies = plan(old_layout, new_layout, new_rank)
-    keys = list(old_states[0])
+    keys = [k for k in old_states[0] if not is_owned_key(k)]
     for r, state in enumerate(old_states):
-        if set(state) != set(keys):
+        if {k for k in state if not is_owned_key(k)} != set(keys):
             raise ValueError(f"old rank {r} has keys {sorted(state)} but rank 0 has {sorted(keys)}")
     source = old_states[_source_rank(new_rank, old_layout.world_size)]
-    out: Dict[str, Any] = {}
+    names, wanted = set(new_layout.param_names), set(owned_by(new_layout, new_rank))
+    out: Dict[str, Any] = {k: v.detach().clone() for state in old_states for k, v in state.items()
+                           if is_owned_key(k) and split_owned_key(k, names)[0] in wanted}
     for key in keys:
         value = old_states[0][key]
         if is_sharded_key(key, value, old_layout.shard_numel):
@@ -176,4 +182,17 @@ def load_resharded(path: Union[PathLike, Manifest], new_layout: FlatLayout, new_
             tensors[key] = dst
         for key in m.rank_keys:
             tensors[key] = reader.shard(src).read(key)
+        tensors.update(_owned_state(reader, new_layout, new_rank))
         return tensors, copy.deepcopy(m.scalars[src])
+
+
+def _owned_state(reader: CheckpointReader, new_layout: FlatLayout, new_rank: int) -> Dict[str, torch.Tensor]:
+    """The whole-parameter optimizer state of the parameters ``new_rank`` owns at the new world
+    size ([Note: parameter owners] in layout/owners.py), each read from the file of its old owner."""
+    owned = reader.manifest.owned_keys
+    if not owned:
+        return {}
+    names = set(new_layout.param_names)
+    wanted = set(owned_by(new_layout, new_rank))
+    return {key: reader.shard(rank).read(key) for key, rank in owned.items()
+            if split_owned_key(key, names)[0] in wanted}

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from zeroray.layout.arena import FlatLayout
+from zeroray.layout.owners import is_owned_key
 from zeroray.checkpoint.errors import CheckpointError
 from zeroray.checkpoint.filesystem import PathLike, Storage, is_temp_name, resolve, same_kind
 from zeroray.checkpoint.manifest import (EXTRA_NAME, MANIFEST_NAME, FileEntry, FileKind, Manifest,
@@ -128,16 +129,26 @@ def write_extra(root: PathLike, step: int, tensors: Mapping[str, torch.Tensor]) 
 
 
 def _classify(infos: List[ShardInfo], layout: FlatLayout) -> Dict[str, Dict[str, Any]]:
-    first = infos[0].tensors
-    for info in infos[1:]:
-        if sorted(info.tensors) != sorted(first):
-            raise ValueError(f"rank {info.rank} wrote tensors {sorted(info.tensors)} but rank "
+    """Each tensor key's entry: dtype, shape, whether sharded, and for a whole parameter's
+    optimizer state (layout/owners.py), which is in its owner's file only, that rank ("owner")."""
+    common = [[t for t in info.tensors if not is_owned_key(t[0])] for info in infos]
+    first = common[0]
+    for info, keys in zip(infos[1:], common[1:]):
+        if sorted(keys) != sorted(first):
+            raise ValueError(f"rank {info.rank} wrote tensors {sorted(keys)} but rank "
                              f"{infos[0].rank} wrote {sorted(first)}; every rank must save the same keys")
     out = {}
     for key, code, shape in first:
         fake = torch.empty(tuple(shape), device="meta")
         out[key] = {"dtype": code, "shape": list(shape),
                     "sharded": is_sharded_key(key, fake, layout.shard_numel)}
+    for info in infos:
+        for key, code, shape in info.tensors:
+            if is_owned_key(key):
+                if key in out:
+                    raise ValueError(f"ranks {out[key]['owner']} and {info.rank} both wrote {key!r}: a parameter's "
+                                     "optimizer state has one owner")
+                out[key] = {"dtype": code, "shape": list(shape), "sharded": False, "owner": info.rank}
     if "master" not in out or not out["master"]["sharded"]:
         got = out["master"]["shape"] if "master" in out else "nothing"
         raise ValueError(f"the shards' \"master\" tensor has shape {got}, but the layout needs a 1-D "

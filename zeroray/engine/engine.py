@@ -11,7 +11,8 @@ step never asks which stage it runs:
 - the coordinator of the stage, which gathers and frees units (fetch/build.py; at stage 0 it
   only follows the step's phases);
 - the gradient buckets (comm/buckets.py) fed by the parameters' hooks (engine/grad_intake.py);
-- the flat optimizer over the master (engine/optim.py), activations (engine/activations.py);
+- the optimizer over the master: flat pieces (engine/optim.py) or whole parameters
+  (engine/shaped_optim.py), chosen once (engine/optim_choice.py); activations (engine/activations.py);
 - the buffers' broadcast from rank 0 at the start of each call ([Note: buffers follow DDP] in
   engine/buffer_sync.py) and SyncBatchNorm's CPU forward ([Note: SyncBatchNorm on CPU] in
   engine/sync_batchnorm.py).
@@ -43,7 +44,8 @@ from zeroray.engine.buffer_sync import BufferBroadcast
 from zeroray.engine.grad_intake import GradIntake
 from zeroray.engine.inference import evaluation, run_call
 from zeroray.engine.model_build import build_model, load_saved_weights
-from zeroray.engine.optim import DiskOffload, LossScaler, ShardedOptimizer, build_segments, local_spans
+from zeroray.engine.optim import DiskOffload, LossScaler, param_overrides
+from zeroray.engine.optim_choice import build_optimizer
 from zeroray.engine.optim_record import record_part
 from zeroray.engine.precision import MixedPrecision, load_untrained
 from zeroray.engine.step_result import StepStats, check_loss, skips
@@ -103,13 +105,12 @@ class Engine:
         # before any user callback (param_groups) may read a parameter
         self.coordinator, unit_events = build_coordinator(policy, zero, self.model, self.layout, s.units, s.gatherer,
                                                           group, self.waiter, named, self.reducer)
-        spans = local_spans(s.param_spans(), named, param_groups)
+        overrides = param_overrides(self.layout.param_names, named, param_groups)
         # what param_groups gave each local parameter: a checkpoint records it ([Note: optimizer record])
-        self.param_overrides = {name: overrides for name, (_, _, overrides) in zip(s.param_spans(), spans)}
+        self.param_overrides = {name: overrides[name] for name in s.param_spans()}
         self.scheduler_fn = scheduler
-        segments = build_segments(spans, self.master.numel(), breaks=self.master.breaks())
-        self.optimizer = ShardedOptimizer(optimizer, self.master, self.grad, segments, zero.max_grad_norm, scheduler,
-                                          param_spans=s.param_spans(), offload=offload)
+        # flat pieces or whole parameters, by the optimizer ([Note: optimizer paths] in engine/optim_choice.py)
+        self.optimizer = build_optimizer(optimizer, s, self.layout, overrides, group, zero, scheduler, offload)
         self.bucket_learning = BucketLearning(self.reducer, zero)
         self.grads = GradIntake(named, self.layout, self.units, self.reducer, unit_events)
         self.activations, self._restore_forwards = track_activations(
@@ -127,6 +128,11 @@ class Engine:
             raise ValueError(f"ZeroConfig.offload={zero.offload!r} runs on CPU workers only for now (this worker "
                              f"computes on {self.device}): the GPU workers' tiers are not built yet; set offload=None")
         return DiskOffload(zero.offload_dir, self.rank, zero.offload_chunk_bytes)
+
+    @property
+    def whole_params(self) -> bool:
+        """Whether the optimizer steps whole parameters ([Note: optimizer paths] in engine/optim_choice.py)."""
+        return self.optimizer.whole_params
 
     def offload_stats(self) -> Dict[str, float]:
         """The disk tier's I/O totals since the engine was built (empty without offload): the

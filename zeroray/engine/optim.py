@@ -6,7 +6,8 @@ run of the local shard whose elements share the same parameter-group overrides. 
 AdamW and SGD are elementwise, so updating a flat slice equals updating the parameters it
 covers, and the optimizer state is a few contiguous tensors (M_D). Padding elements have
 zero value and zero gradient and stay zero under these optimizers. An optimizer that mixes
-elements (per-tensor norms, as in LAMB) would not match the unsharded run; see README.
+elements (per-tensor norms, as in LAMB) would not match the unsharded run: it takes the
+whole-parameter path instead ([Note: optimizer paths] in engine/optim_choice.py).
 When the master is not one tensor (stages 1-2 in fp32: the rank's rows of the parameter
 arena, [Note: local shard] in layout/local_shard.py), segments are also cut where its pieces
 meet, one unit's slice each, so every segment is a view and the update lands in place.
@@ -31,6 +32,7 @@ from zeroray.engine.flat_state import FlatState
 from zeroray.engine.optim_record import decode_hyperparameters, group_key, hyperparameters, load_scheduler_state, \
     scheduler_state
 from zeroray.layout.local_shard import LocalShard
+from zeroray.layout.owners import is_owned_key
 from zeroray.offload.master import DiskMaster
 from zeroray.offload.stepper import DiskStepper, make_stepper
 
@@ -89,18 +91,69 @@ class LossScaler:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
-def local_spans(param_spans: Dict[str, Tuple[int, int]], named: Dict[str, torch.nn.Parameter],
-                param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]]) -> List[Tuple[int, int, dict]]:
-    """(start, end, overrides) of each parameter's piece in the master tensor, in order:
-    ``param_spans`` with what ``param_groups(name, param)`` overrides for it."""
-    spans = []
-    for name, (start, end) in param_spans.items():
+def param_overrides(names: Sequence[str], named: Dict[str, torch.nn.Parameter],
+                    param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]]) -> Dict[str, Dict[str, Any]]:
+    """What ``param_groups(name, param)`` overrides (lr, weight_decay, ...) for each parameter of ``names``."""
+    out = {}
+    for name in names:
         overrides = dict(param_groups(name, named[name]) or {}) if param_groups else {}
         if "params" in overrides:
             raise ValueError(f"param_groups({name!r}) returned a 'params' key: return only the "
                              "overrides (lr, weight_decay, ...) for that parameter")
-        spans.append((start, end, overrides))
-    return spans
+        out[name] = overrides
+    return out
+
+
+def local_spans(param_spans: Dict[str, Tuple[int, int]],
+                overrides: Mapping[str, Dict[str, Any]]) -> List[Tuple[int, int, dict]]:
+    """(start, end, overrides) of each parameter's piece in the master tensor, in order:
+    ``param_spans`` with what ``param_groups`` overrides for it (``param_overrides``)."""
+    return [(start, end, overrides[name]) for name, (start, end) in param_spans.items()]
+
+
+def build_inner(builder: Callable[[List[dict]], Any], groups: List[dict]) -> torch.optim.Optimizer:
+    """The user's optimizer over ``groups``, checked to be one."""
+    inner = builder(groups)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise ValueError(f"the optimizer spec returned {type(inner).__name__}, not a torch.optim.Optimizer: "
+                         "pass zr.AdamW(...) or a callable params -> torch.optim.Optimizer")
+    return inner
+
+
+def clip_(grad: torch.Tensor, max_grad_norm: Optional[float], norm: float) -> None:
+    """Scale ``grad`` by the global norm's clip coefficient, as torch.nn.utils.clip_grad_norm_ does."""
+    if max_grad_norm is not None:
+        coef = max_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            grad.mul_(coef)
+
+
+def group_table(scalars: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Each param group's hyperparameters by group key, from an export's scalars (JSON form);
+    a checkpoint from before the optimizer record carries each group's lr only."""
+    table = scalars.get("groups")
+    return table if table is not None else {key: {"lr": lr} for key, lr in scalars.get("group_lr", {}).items()}
+
+
+def load_groups(groups: Sequence[Dict[str, Any]], keys: Sequence[str], scalars: Mapping[str, Any]) -> None:
+    """Set the ``groups`` of a state_dict (``keys``: their group keys) to the exported hyperparameters."""
+    table = group_table(scalars)
+    for key, g in zip(keys, groups):
+        g.update(decode_hyperparameters(table.get(key, {})))
+
+
+def export_groups(scalars: Dict[str, Any], groups_by_key: Mapping[str, Mapping[str, Any]], scheduler: Any) -> None:
+    """Every group's hyperparameters, as torch's state_dict() holds them, and the scheduler's state
+    ([Note: optimizer record] in engine/optim_record.py), into an export's ``scalars``."""
+    scalars["groups"] = {key: hyperparameters(g) for key, g in groups_by_key.items()}
+    if scheduler is not None:
+        scalars["scheduler"] = scheduler_state(scheduler)
+
+
+def load_scheduler(scheduler: Any, scalars: Mapping[str, Any]) -> None:
+    """The exported scheduler state into ``scheduler`` (after the groups: its last lrs are theirs)."""
+    if scheduler is not None and scalars.get("scheduler") is not None:
+        load_scheduler_state(scheduler, scalars["scheduler"])
 
 
 def build_segments(spans: Sequence[Tuple[int, int, Dict[str, Any]]], total: int,
@@ -178,10 +231,7 @@ class ShardedOptimizer:
         self.uneven = False
         groups = [{"params": [p], **dict(seg.overrides)} for seg, p in zip(segments, self.pieces.params)]
         self.builder = spec.build if hasattr(spec, "build") else spec
-        self.inner = self.builder(groups)
-        if not isinstance(self.inner, torch.optim.Optimizer):
-            raise ValueError(f"the optimizer spec returned {type(self.inner).__name__}, not a torch.optim.Optimizer: "
-                             "pass zr.AdamW(...) or a callable params -> torch.optim.Optimizer")
+        self.inner = build_inner(self.builder, groups)
         self.pieces.inner = self.inner
         self.scheduler = scheduler_fn(self.inner) if scheduler_fn is not None else None
         # in memory: one flat tensor per state key that the pieces' state tensors are views of
@@ -197,6 +247,8 @@ class ShardedOptimizer:
                                      target=master.target if on_disk else None)
             if on_disk:
                 master.attach(self.disk)  # the initial values move into the master file
+
+    whole_params = False  # flat pieces ([Note: optimizer paths] in engine/optim_choice.py)
 
     def groups_by_key(self) -> Dict[str, Dict[str, Any]]:
         """Each torch param group by the key of its overrides (``Segment.key``): what a
@@ -231,14 +283,15 @@ class ShardedOptimizer:
         held = [v for state in self.inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         return held + (self.disk.buffers() if self.disk is not None else [])
 
+    def exchange_buffers(self) -> List[torch.Tensor]:
+        """None: the flat pieces are the shard's own memory."""
+        return []
+
     def step(self, norm: float, unused: Sequence[str] = ()) -> None:
         """Clip by the global norm (as torch.nn.utils.clip_grad_norm_ does) and update every
         parameter but ``unused``, those no rank produced a gradient for (the same list on every
         rank; [Note: unused parameters] in engine/flat_pieces.py)."""
-        if self.max_grad_norm is not None:
-            coef = self.max_grad_norm / (norm + 1e-6)
-            if coef < 1.0:
-                self.grad.mul_(coef)
+        clip_(self.grad, self.max_grad_norm, norm)
         if unused:
             self.uneven = True
         with self.pieces.skipping(unused):
@@ -321,10 +374,7 @@ class ShardedOptimizer:
                 scalars[f"optim.{k}"] = float(v) if isinstance(v, (torch.Tensor, int, float)) else v
         if self.uneven:
             scalars["optim_per_element"] = per_element
-        # every group's hyperparameters, as torch's state_dict() holds them ([Note: optimizer record])
-        scalars["groups"] = {key: hyperparameters(g) for key, g in self.groups_by_key().items()}
-        if self.scheduler is not None:
-            scalars["scheduler"] = scheduler_state(self.scheduler)
+        export_groups(scalars, self.groups_by_key(), self.scheduler)
         return tensors, scalars
 
     def import_state(self, tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any]) -> None:
@@ -359,6 +409,12 @@ class ShardedOptimizer:
         run where every parameter was always used) has one scalar per key, and every piece
         gets it.
         """
+        whole = [k for k in tensors if is_owned_key(k)]
+        if whole or scalars.get("optim_path") is not None:
+            raise ValueError(
+                f"the checkpoint holds the state of an optimizer stepped on whole parameters ({', '.join(whole[:3])}), "
+                "but this one is element-wise and runs on flat pieces: restore it with the optimizer it was saved with, "
+                "or pass fresh_optimizer=True to restore to start the optimizer's state fresh")
         per_element = scalars.get("optim_per_element")
         flats = {name[6:]: flat for name, flat in tensors.items() if name.startswith("optim.")}
         self.pieces.reset()
@@ -390,17 +446,12 @@ class ShardedOptimizer:
             if entry:
                 state[index[id(pc.param)]] = entry
         sd["state"] = state
-        table = scalars.get("groups")
-        if table is None:  # a checkpoint from before the optimizer record carries each group's lr only
-            table = {key: {"lr": lr} for key, lr in scalars.get("group_lr", {}).items()}
-        for seg, g in zip(self.segments, sd["param_groups"]):
-            g.update(decode_hyperparameters(table.get(seg.key, {})))
+        load_groups(sd["param_groups"], [seg.key for seg in self.segments], scalars)
         self.inner.load_state_dict(sd)
         if self.disk is not None:
             self.disk.spill(self.inner, self.pieces.pieces)
         self.uneven = per_element is not None
-        if self.scheduler is not None and scalars.get("scheduler") is not None:
-            load_scheduler_state(self.scheduler, scalars["scheduler"])
+        load_scheduler(self.scheduler, scalars)
 
     def _probe_stateless_groups(self) -> Dict[str, bool]:
         """The state keys (-> whether per element) of the param groups none of whose pieces has

@@ -9,7 +9,9 @@ given an optimizer, param_groups or scheduler rebuilds the checkpoint's from its
   own (looked up by name in ``torch.optim``, and only there), called with its recorded
   ``defaults`` as keyword arguments. A probe checks that this builds every recorded group's
   initial hyperparameters, so a callable that did more than call the class (it changed the
-  groups it was given) is not taken for it;
+  groups it was given) is not taken for it. One declared element-wise (``zr.elementwise(fn)``) is
+  rebuilt declared so, so that it takes the path it was saved on (flat pieces, whose state the
+  checkpoint holds: [Note: optimizer paths] in engine/optim_choice.py);
 - the param_groups overrides, as a table by parameter name (``NamedOverrides``): what the
   callable returned for each parameter is data, and the restored model has the same
   parameter names (restore checks them);
@@ -30,7 +32,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import torch
 from torch.optim import lr_scheduler
 
-from zeroray.config import optimizer_spec_class
+from zeroray.config import Elementwise, optimizer_spec_class
 from zeroray.engine.optim_record import (PER_GROUP_STATE, decode, decode_hyperparameters, hyperparameters,
                                          load_scheduler_state, name_list, probe, qualified_name)
 
@@ -110,14 +112,20 @@ def rebuild_optimizer(record: Mapping[str, Any]) -> Any:
             raise RebuildError(f"the checkpoint was saved with optimizer zr.{spec['class']}, which this zeroray "
                                f"does not have: {_restate('optimizer', 'zr.AdamW(...)')}")
         rebuilt: Any = cls(**decode_hyperparameters(spec["fields"]))
+    elif spec["kind"] == "elementwise":
+        rebuilt = Elementwise(_rebuild_torch_optimizer(record, spec["name"], elementwise=True))
     else:
         rebuilt = _rebuild_torch_optimizer(record, spec["name"])
     check_rebuilt(rebuilt, record)
     return rebuilt
 
 
-def _rebuild_torch_optimizer(record: Mapping[str, Any], made_by: str) -> TorchOptimizer:
+def _rebuild_torch_optimizer(record: Mapping[str, Any], made_by: str, elementwise: bool = False) -> TorchOptimizer:
+    """``torch.optim.<class>(params, **defaults)`` as the record names it; ``elementwise``: the spec
+    was ``zr.elementwise(made_by)``, which a restatement keeps."""
     name = record["class"]
+    if elementwise:
+        made_by = f"zr.elementwise({made_by})"
     if name is None:
         raise RebuildError(f"the checkpoint does not say which torch optimizer {made_by} built (it could not be "
                            f"built over a probe parameter when saved): {_restate('optimizer', made_by)}")
@@ -127,7 +135,7 @@ def _rebuild_torch_optimizer(record: Mapping[str, Any], made_by: str) -> TorchOp
         raise RebuildError(
             f"the checkpoint was saved with optimizer {name} (built by {made_by}), which is not one of torch.optim's "
             "own classes; zeroray rebuilds only those and its own specs from a checkpoint, which names no code to "
-            f"import: {_restate('optimizer', 'lambda params: ' + short + '(params, ...)')}")
+            f"import: {_restate('optimizer', _wrapped('lambda params: ' + short + '(params, ...)', elementwise))}")
     if record["unrecorded"]:
         raise RebuildError(f"the checkpoint's optimizer {name} has hyperparameters that are not data "
                            f"({', '.join(record['unrecorded'])}), so it cannot be rebuilt: "
@@ -140,6 +148,10 @@ def _rebuild_torch_optimizer(record: Mapping[str, Any], made_by: str) -> TorchOp
         raise RebuildError(f"the checkpoint's optimizer {name} needs {missing}, which its defaults do not record: "
                            f"{_restate('optimizer', made_by)}")
     return TorchOptimizer(short, kwargs)
+
+
+def _wrapped(example: str, elementwise: bool) -> str:
+    return f"zr.elementwise({example})" if elementwise else example
 
 
 def check_rebuilt(rebuilt: Any, record: Mapping[str, Any]) -> None:

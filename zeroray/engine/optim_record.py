@@ -8,8 +8,11 @@ was saved with. A zeroray checkpoint records the same as data, in the manifest's
 entry (JSON: a checkpoint never holds code, nothing here is pickled):
 
 - ``spec``: what the Trainer was given: one of zeroray's specs by class and fields
-  (``{"kind": "zeroray", "class": "AdamW", "fields": {...}}``), else ``{"kind": "callable",
-  "name": ...}`` (its qualified name, for messages only);
+  (``{"kind": "zeroray", "class": "AdamW", "fields": {...}}``); a callable declared element-wise
+  with ``zr.elementwise(fn)`` as ``{"kind": "elementwise", "name": ...}`` (``fn``'s qualified
+  name, for messages only: the declaration is what is recorded, and a rebuild keeps it, so the
+  rebuilt optimizer takes the path the saved one took, [Note: optimizer paths] in
+  engine/optim_choice.py); any other callable as ``{"kind": "callable", "name": ...}``;
 - ``class``: the torch optimizer the spec built, by qualified name; ``defaults``: its
   JSON-able ``defaults``; ``unrecorded``: the names of those that are not (a Tensor ``lr``);
 - ``state_keys``: its per-parameter state keys (``exp_avg``, ...), from one step of a probe;
@@ -46,7 +49,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
-from zeroray.config import optimizer_spec_class
+from zeroray.config import Elementwise, optimizer_spec_class
+from zeroray.layout.owners import is_owned_key
 
 RECORD_VERSION = 1
 PER_GROUP_STATE = ("base_lrs", "_last_lr")  # a scheduler's lists, one entry per param group
@@ -225,7 +229,10 @@ def record_part(builder: Callable[[Any], Any], scheduler_fn: Optional[Callable[[
 
 
 def describe_spec(spec: Any) -> Dict[str, Any]:
-    """What the Trainer was given as the optimizer: zeroray's spec by class and fields, or a callable's name."""
+    """What the Trainer was given as the optimizer: zeroray's spec by class and fields, or a callable's
+    name, and whether it was declared element-wise."""
+    if isinstance(spec, Elementwise):
+        return {"kind": "elementwise", "name": qualified_name(spec.fn)}
     if is_dataclass(spec) and optimizer_spec_class(type(spec).__name__) is type(spec):
         values, unrecorded = encode_mapping({f.name: getattr(spec, f.name) for f in fields(spec)})
         if not unrecorded:
@@ -286,10 +293,10 @@ def with_plan(tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any], plan: M
               ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """A rank's loaded (tensors, scalars) as a restore's plan says (runtime/controller/optimizer_restore.py's
     ``LoadPlan``): each group's hyperparameters and the scheduler's state from ``plan``, and with
-    ``fresh_optimizer`` no optimizer state at all."""
+    ``fresh_optimizer`` no optimizer state at all (neither path's: flat pieces' nor whole parameters')."""
     scalars = {**scalars, "groups": plan["groups"], "scheduler": plan["scheduler"]}
     if plan["fresh_optimizer"]:
-        tensors = {k: v for k, v in tensors.items() if not k.startswith("optim.")}
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("optim.") and not is_owned_key(k)}
         scalars = {k: v for k, v in scalars.items()
-                   if not k.startswith("optim.") and k not in ("optim_per_element", "group_lr")}
+                   if not k.startswith("optim.") and k not in ("optim_per_element", "group_lr", "optim_path")}
     return tensors, scalars

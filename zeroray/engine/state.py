@@ -12,16 +12,26 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from zeroray.engine.optim import LossScaler, ShardedOptimizer
+from zeroray.engine.optim import LossScaler
+from zeroray.layout.owners import is_owned_key
 
 
-def export_state(storage, optimizer: ShardedOptimizer, step: int, scaler: Optional[LossScaler],
+def _split(tensors: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """(flat tensors in shard coordinates, whole parameters' state: layout/owners.py's keys)."""
+    owned = {k: v for k, v in tensors.items() if is_owned_key(k)}
+    return {k: v for k, v in tensors.items() if k not in owned}, owned
+
+
+def export_state(storage, optimizer: Any, step: int, scaler: Optional[LossScaler],
                  live: bool = False) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Flat fp32 tensors in this rank's shard coordinates, and per-rank scalars. ``live``: a
-    tensor may be the engine's own (the master, the optimizer's flat state) where it already is
-    one in those coordinates; the next update changes it (see ``Engine.export_state``)."""
+    """Flat fp32 tensors in this rank's shard coordinates, the state of the parameters this rank
+    owns whole ([Note: whole-parameter optimizer] in engine/shaped_optim.py), and per-rank
+    scalars. ``live``: a tensor may be the engine's own (the master, the optimizer's state)
+    where it already is one in those coordinates; the next update changes it (see
+    ``Engine.export_state``)."""
     tensors, scalars = optimizer.export_state(live)
-    tensors = storage.exported(tensors)
+    flat, owned = _split(tensors)
+    tensors = {**storage.exported(flat), **owned}
     tensors["master"] = storage.master_shard(live)
     scalars["step"] = step
     scalars["scaler"] = scaler.state() if scaler else None
@@ -29,12 +39,13 @@ def export_state(storage, optimizer: ShardedOptimizer, step: int, scaler: Option
     return tensors, scalars
 
 
-def import_state(storage, optimizer: ShardedOptimizer, scaler: Optional[LossScaler],
+def import_state(storage, optimizer: Any, scaler: Optional[LossScaler],
                  tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any]) -> int:
-    """Load tensors given in ``storage.state_layout()`` coordinates into the master and the
-    optimizer, and the scalars; the step count to resume at. The caller finishes gathers in
-    flight before and publishes the master after."""
-    tensors = storage.imported(tensors)
+    """Load tensors given in ``storage.state_layout()`` coordinates (and the whole state of the
+    parameters this rank owns) into the master and the optimizer, and the scalars; the step
+    count to resume at. The caller finishes gathers in flight before and publishes the master after."""
+    flat, owned = _split(tensors)
+    tensors = {**storage.imported(flat), **owned}
     with torch.no_grad():
         storage.master.copy_(tensors["master"].to(storage.master.device))
     optimizer.import_state({k: v for k, v in tensors.items() if k != "master"}, scalars)

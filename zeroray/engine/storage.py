@@ -90,6 +90,14 @@ class ReplicatedStorage:
             spans[name] = (start, start + self.layout.slots[name].numel)
         return spans
 
+    # Every rank holds every parameter whole: the whole-parameter optimizer steps them in place.
+    holds_whole_params = True
+
+    def param_piece(self, name: str) -> Tuple[int, int, int]:
+        """(start, lo, hi): the master holds parameter ``name``'s flat elements [lo, hi) from
+        offset ``start``: all of them, in full coordinates."""
+        return self._full_start(name), 0, self.layout.slots[name].numel
+
     def master_piece(self, name: str) -> Tuple[int, int, torch.Tensor]:
         """(lo, hi, fp32 values) of parameter ``name``'s flat elements this rank reports: rank 0
         all of them, the others none (they hold the same)."""
@@ -173,6 +181,16 @@ class ShardedStorage:
             if hi > lo:
                 spans[name] = (start, start + hi - lo)
         return spans
+
+    @property
+    def holds_whole_params(self) -> bool:
+        """Whether this rank's shard holds every parameter whole (one worker)."""
+        return self.layout.world_size == 1
+
+    def param_piece(self, name: str) -> Tuple[int, int, int]:
+        """(start, lo, hi): the master holds parameter ``name``'s flat elements [lo, hi) (possibly
+        none) from offset ``start`` of this rank's shard."""
+        return self.layout.param_shard_range(name, self.rank)
 
     def master_piece(self, name: str) -> Tuple[int, int, torch.Tensor]:
         """(lo, hi, fp32 values) of parameter ``name``'s flat elements held by this rank."""

@@ -77,6 +77,8 @@ def measure(engine, process: Optional[Dict[str, Optional[int]]] = None) -> Dict[
     gather_buffers = engine.gatherer.free_staging_bytes() if engine.gatherer else 0
     measured = {"params": sum(param_st.values()), "grads": sum(grad_st.values()),
                 "optimizer": sum(optim_st.values())}
+    exchange = {k: v for k, v in _storages(engine.optimizer.exchange_buffers()).items()
+                if k not in param_st and k not in grad_st and k not in optim_st}
     paper = memory.model_state_bytes(layout.numel, engine.world_size, zero.stage, zero.dtype,
                                      _optimizer_for_estimate(engine))
     report = {"stage": zero.stage, "dtype": zero.dtype, "num_workers": engine.world_size,
@@ -85,12 +87,15 @@ def measure(engine, process: Optional[Dict[str, Optional[int]]] = None) -> Dict[
             "paper": {"params": paper.params, "grads": paper.grads, "optimizer": paper.optimizer,
                       "total": paper.total},
             "gathered_params_peak": stats.get("peak_gathered_bytes", 0),
-            "bucket_buffers": reduce_buffers + gather_buffers,
+            "bucket_buffers": reduce_buffers + gather_buffers + sum(exchange.values()),
             "reduce_buffers": reduce_buffers, "gather_buffers": gather_buffers,
             "activations_peak": engine.activation_peak_bytes,
             "unit_pool_idle": units.pool.idle_bytes if units.pool is not None else 0,
             "num_params": layout.numel, "padded_numel": layout.full_numel,
             **_cuda_stats(engine.device)}
+    if engine.optimizer.whole_params:
+        report["whole_params"] = _whole_params(engine, sum(_storages(engine.optimizer.state_tensors()).values()),
+                                               sum(exchange.values()))
     if process is not None:
         report["peak_rss_bytes"] = process["peak_rss_bytes"]
         report["rss"] = rss_breakdown(report, process)
@@ -127,13 +132,26 @@ def _cuda_stats(device) -> Dict[str, Any]:
             "cuda_reserved": torch.cuda.memory_reserved(device)}
 
 
+def _whole_params(engine, state_bytes: int, exchange_bytes: int) -> Dict[str, Any]:
+    """The whole-parameter optimizer's share of this rank (engine/shaped_optim.py's ``share``:
+    what it steps, against the balanced share, and the owner map's imbalance over all ranks),
+    with the state it holds in memory and its exchange buffers."""
+    share = engine.optimizer.share()
+    held = share["held_numel"]
+    return {**share, "state_bytes": state_bytes, "state_bytes_per_element": state_bytes / held if held else 0.0,
+            "exchange_buffers": exchange_bytes, "state_on_disk": engine.optimizer.offload_stats().get("state_bytes", 0)}
+
+
 def _optimizer_for_estimate(engine) -> Any:
     """The optimizer as zeroray.memory.model understands it: our specs say their state size; for a
-    custom callable, the fp32 state values per element are read off what it allocated."""
+    custom callable, the fp32 state values per element are read off what it allocated (the
+    whole-parameter path: none here, ``expected_model_state`` adds its state apart)."""
     try:
         memory.optimizer_state_bytes_per_param(engine.optimizer_spec, engine.zero.dtype)
         return engine.optimizer_spec
     except ValueError:
+        if engine.optimizer.whole_params:
+            return 0
         disk = engine.optimizer.disk
         if disk is not None:  # offload="disk": the state is in the files, one per value per element
             return len(disk.keys)
@@ -156,6 +174,9 @@ def expected_model_state(engine) -> Dict[str, int]:
     - ``offload="disk"``: the optimizer state, and in mixed precision the fp32 master, are in
       files; the optimizer term is the three chunks of every file the disk tier holds in memory
       (the measured term adds the 0-dim scalars, Adam's ``step``, a few bytes per flat piece).
+    - an optimizer stepping whole parameters (engine/shaped_optim.py): its state per element is
+      this rank's measured one, on a balanced share of the elements (the owner map's imbalance
+      is the difference: ``measure``'s "whole_params").
     Stages 1-2 hold no parameter shard of their own: the all-gather source, and in fp32 the
     master, is the rank's rows of the parameter arena ([Note: local shard] in layout/local_shard.py),
     so their parameter term is the paper's. (Until that change they kept a separate shard in
@@ -172,7 +193,15 @@ def expected_model_state(engine) -> Dict[str, int]:
     chunk = zero.offload_chunk_bytes if zero.offload == "disk" else None
     held = memory.held_state_bytes(padded, W, zero.stage, zero.dtype, optimizer, padded_numel=padded,
                                    offload_chunk_bytes=chunk)
-    return {"params": held.params, "grads": held.grads, "optimizer": held.optimizer, "total": held.total}
+    optimizer_term = held.optimizer
+    if engine.optimizer.whole_params and chunk is None:
+        # The state's size per element is this rank's, measured (Adafactor's factored state is
+        # less than one value per element); the estimate is that on a balanced share, so the
+        # measured figure shows the owner map's imbalance ([Note: parameter owners]).
+        share = _whole_params(engine, sum(_storages(engine.optimizer.state_tensors()).values()), 0)
+        optimizer_term += round(share["state_bytes_per_element"] * share["balanced_numel"])
+    return {"params": held.params, "grads": held.grads, "optimizer": optimizer_term,
+            "total": held.params + held.grads + optimizer_term}
 
 
 def live_tensor_bytes(floating_only: bool = True) -> int:

@@ -101,6 +101,20 @@ class DiskMaster:
         """The whole master, a new tensor in host memory."""
         return self.read(0, self._numel)
 
+    def write(self, a: int, src: torch.Tensor) -> None:
+        """Write the 1D ``src`` over elements [a, a + src.numel()): into the file, and cast into the
+        target (the whole-parameter optimizer's update, one parameter's slice at a time)."""
+        values = src.detach().to(torch.float32).reshape(-1)
+        if self._initial is not None:
+            self._initial[a:a + values.numel()].copy_(values)
+        else:
+            self.stepper.write_master(a, values.cpu())  # shared: the target's file is the master's
+            if self.stepper.shared:
+                return
+        done = self.target.write(a, values.to(self.target.device))
+        if done is not None:  # the parameter shard on disk: its write
+            done.result()
+
     def copy_(self, src: Union[LocalShard, torch.Tensor]) -> "DiskMaster":
         """Load a whole master (an import): into the file, and cast into the target."""
         values = src.cpu() if isinstance(src, LocalShard) else src.detach()

@@ -96,7 +96,7 @@ class StateFiles:
             os.unlink(os.path.join(self.folder, f"{key}.f32"))
         os.rmdir(self.folder)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zeroray-offload")
-        self._lock = threading.Lock()
+        self.io_lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0
         self.io_seconds = 0.0  # summed over the pool's threads
 
@@ -107,44 +107,14 @@ class StateFiles:
         operations ``after`` have ended (waited for on the pool's thread, not the caller's: the
         pool starts its tasks in order, so those have started before this one and it cannot
         wait on a task that waits for a thread)."""
-        return self.pool.submit(self._io, self._read, key, start, out, list(after))
+        return self.pool.submit(self._io, read_exactly, key, start, out, list(after))
 
     def write(self, key: str, start: int, src: torch.Tensor) -> Future:
         """Write the 1D CPU tensor ``src`` (of the files' dtype) at elements [start, start + src.numel())."""
-        return self.pool.submit(self._io, self._write, key, start, src, [])
+        return self.pool.submit(self._io, write_all, key, start, src, [])
 
     def _io(self, op, key: str, start: int, tensor: torch.Tensor, after: List[Future]) -> None:
-        for future in after:
-            future.result()  # a failed write fails the read that follows it
-        t0 = time.perf_counter()
-        # as bytes: numpy has no bfloat16
-        view = memoryview(tensor.detach().view(torch.uint8).numpy())
-        try:
-            op(self.fds[key], view, start * self.element_bytes)
-        except OSError as error:
-            raise offload_error(self.folder, f"{'reading' if op is self._read else 'writing'} {key!r}",
-                                error) from error
-        with self._lock:
-            self.io_seconds += time.perf_counter() - t0
-            if op is self._read:
-                self.bytes_read += len(view)
-            else:
-                self.bytes_written += len(view)
-
-    @staticmethod
-    def _read(fd: int, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                raise OSError(errno.EIO, "the state file ended early")
-            done += got
-
-    @staticmethod
-    def _write(fd: int, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
+        counted_io(self, op, self.fds[key], tensor.detach(), start * self.element_bytes, after, repr(key))
 
     # --- whole ranges, synchronously (checkpoints) -----------------------------------------
 
@@ -162,6 +132,44 @@ class StateFiles:
         if pool is not None:
             pool.shutdown(wait=True)
         self._finalizer()
+
+
+def counted_io(owner, op, fd: int, tensor: torch.Tensor, offset: int, after: List[Future], what: str) -> None:
+    """``op`` (``read_exactly`` or ``write_all``) between the file ``fd`` at byte ``offset`` and the
+    contiguous CPU ``tensor``, once ``after`` ended, counted into ``owner``'s totals (its
+    ``io_lock``, ``io_seconds``, ``bytes_read``, ``bytes_written``); an OSError becomes an
+    OffloadError naming ``owner.folder`` and ``what``."""
+    for future in after:
+        future.result()  # a failed write fails the read that follows it
+    t0 = time.perf_counter()
+    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # as bytes: numpy has no bfloat16
+    try:
+        op(fd, view, offset)
+    except OSError as error:
+        raise offload_error(owner.folder, f"{'reading' if op is read_exactly else 'writing'} {what}", error) from error
+    with owner.io_lock:
+        owner.io_seconds += time.perf_counter() - t0
+        if op is read_exactly:
+            owner.bytes_read += len(view)
+        else:
+            owner.bytes_written += len(view)
+
+
+def read_exactly(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from the file at byte ``offset`` (an error if the file ends first)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise OSError(errno.EIO, "the state file ended early")
+        done += got
+
+
+def write_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` into the file at byte ``offset``."""
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _remove(fds: Dict[str, int], folder: str) -> None:

@@ -88,6 +88,8 @@ class SetupInfo:
     build_s: float                    # seconds to build the engine
     peak_rss_bytes: int               # the worker's peak RSS once built
     rendezvous_s: float = 0.0         # seconds to join the collective group (before the build)
+    # its optimizer steps whole parameters, whose state their owners hold (engine/shaped_optim.py)
+    whole_params: bool = False
 
     def resize_target(self) -> Tuple[FlatLayout, int]:
         """What ``cut_pieces`` takes for this worker: (its state layout, its rank)."""

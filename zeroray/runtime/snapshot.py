@@ -64,6 +64,7 @@ from typing import Any, List, Optional, Tuple
 
 from zeroray.checkpoint import plan
 from zeroray.layout.arena import FlatLayout
+from zeroray.layout.owners import owned_by, param_owners
 
 
 @dataclass
@@ -83,11 +84,15 @@ class Snapshot:
     data_position: int = -1
 
 
-def needed_ranks(old_layout: FlatLayout, target: Tuple[FlatLayout, int]) -> List[int]:
-    """The old ranks whose shards hold a new worker's slices, or its per-rank values."""
-    layout, rank = target
-    ranks = {c.src_rank for c in plan(old_layout, layout, rank)}
+def needed_ranks(old_layout: FlatLayout, target: Tuple[FlatLayout, int], whole_params: bool = False) -> List[int]:
+    """The old ranks whose shards hold a new worker's slices, or its per-rank values, and with
+    ``whole_params`` (an optimizer stepping whole parameters) the state of the parameters it owns."""
+    new_layout, rank = target
+    ranks = {c.src_rank for c in plan(old_layout, new_layout, rank)}
     ranks.add(min(rank, old_layout.world_size - 1))  # where a new rank takes its scalars (as a resize does)
+    if whole_params:
+        old_owner = param_owners(old_layout)
+        ranks.update(old_owner[name] for name in owned_by(new_layout, rank))
     return sorted(ranks)
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from zeroray.config import AdamW
+from zeroray.engine.optim import group_table
 from zeroray.engine.optim_rebuild import (RebuildError, check_scheduler, rebuild_optimizer, rebuild_param_groups,
                                           rebuild_scheduler)
 from zeroray.engine.optim_record import check_record, name_list, probe, probe_state_keys
@@ -173,7 +174,7 @@ def _plan_without_record(scalars: Sequence[Mapping[str, Any]]) -> LoadPlan:
     holds only some) and the scheduler's counters, as zeroray loaded them then."""
     groups: Dict[str, Dict[str, Any]] = {}
     for s in scalars:
-        for key, values in (s.get("groups") or {k: {"lr": v} for k, v in (s.get("group_lr") or {}).items()}).items():
+        for key, values in group_table(s).items():
             groups.setdefault(key, values)
     sched = next((s["scheduler"] for s in scalars if s.get("scheduler") is not None), None)
     return LoadPlan(groups=groups, scheduler=sched)
@@ -284,7 +285,8 @@ def describe(record: Mapping[str, Any]) -> str:
     if spec["kind"] == "zeroray":
         return f"zr.{spec['class']}(" + ", ".join(f"{k}={_value(v)}" for k, v in spec["fields"].items()) + ")"
     shown = {k: v for k, v in record["defaults"].items() if v not in (None, False)}
-    return f"{_short(record['class'])}(" + ", ".join(f"{k}={_value(v)}" for k, v in shown.items()) + ")"
+    built = f"{_short(record['class'])}(" + ", ".join(f"{k}={_value(v)}" for k, v in shown.items()) + ")"
+    return f"zr.elementwise({built})" if spec["kind"] == "elementwise" else built
 
 
 def _value(v: Any) -> str:

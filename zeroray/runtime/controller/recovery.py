@@ -169,7 +169,7 @@ class Recovery:
         group, old_layout = self.group, snap.layout
         args = []
         for info in group.setup_info:
-            needed = set(needed_ranks(old_layout, info.resize_target()))
+            needed = set(needed_ranks(old_layout, info.resize_target(), info.whole_params))
             args.append((snap.layout, [ref if r in needed else None for r, ref in enumerate(snap.shards)],
                          [snap.untrained]))  # refs inside lists: each worker fetches them one at a time
         problems = group.wait_all(group.call_each("stage_snapshot", args), None, "restore the in-memory snapshot",

@@ -152,7 +152,7 @@ class Worker(SnapshotCalls):
                          # keep_vars: stage 3's trainable parameters hold no values between steps
                          state_dict_keys=tuple(self.engine.model.state_dict(keep_vars=True).keys()),
                          build_s=time.perf_counter() - t0, peak_rss_bytes=self.memory.report()["peak_rss_bytes"],
-                         rendezvous_s=t0 - t_join)
+                         rendezvous_s=t0 - t_join, whole_params=self.engine.whole_params)
 
     def _leave_group(self) -> None:
         """Drop the engine, destroy torch.distributed's default group and close the old collective

@@ -8,9 +8,11 @@ places them first, so a placement failure leaves the trainer as it was). Then ev
 per new rank): piece ``(r, j)`` holds exactly the slices of ``r``'s shard that new rank ``j``
 owns, found with the pure range math of ``zeroray.checkpoint.reshard.plan``, and, from the
 old rank that new rank ``j`` takes them from (``min(j, N - 1)``, as a restore does), the
-per-rank scalars and unsharded tensors. Every piece also carries its old rank's param-group
-hyperparameters (the scalars' ``groups``, by group key): an old rank holds only the groups of its
-own slices, and new rank ``j`` may hold a group its source rank held none of. New rank ``j`` then fetches its N pieces one at a
+per-rank scalars and unsharded tensors, and the whole-parameter optimizer state ``r`` holds of
+the parameters ``j`` owns ([Note: parameter owners] in layout/owners.py). Every piece also
+carries its old rank's param-group hyperparameters (the scalars' ``groups``, by group key): an
+old rank holds only the groups of its own slices, and new rank ``j`` may hold a group its source
+rank held none of. New rank ``j`` then fetches its N pieces one at a
 time (``Worker.load_pieces``), copies each into place and drops it before fetching the next.
 So an old worker holds its own state and one copy of it in pieces, and a new worker its own
 state, the shard it assembles and one piece: O(model / N + model / M), never the whole
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from zeroray.layout.arena import FlatLayout
+from zeroray.layout.owners import is_owned_key, owned_by, split_owned_key
 from zeroray.checkpoint import is_sharded_key, plan
 
 
@@ -56,15 +59,19 @@ def cut_pieces(old_layout: FlatLayout, old_rank: int, tensors: Mapping[str, torc
     rank)``, the coordinates its ``import_state`` expects; the layout as itself, or in its
     ``to_dict()`` form as a checkpoint's manifest holds it."""
     sharded = {k: v for k, v in tensors.items() if is_sharded_key(k, v, old_layout.shard_numel)}
-    others = {k: v for k, v in tensors.items() if k not in sharded}
+    owned = {k: v for k, v in tensors.items() if is_owned_key(k)}
+    others = {k: v for k, v in tensors.items() if k not in sharded and k not in owned}
+    names = set(old_layout.param_names)
     pieces = []
     for target, rank in targets:
         new_layout = target if isinstance(target, FlatLayout) else FlatLayout.from_dict(target)
         copies = [c for c in plan(old_layout, new_layout, rank) if c.src_rank == old_rank]
+        wanted = set(owned_by(new_layout, rank))  # whole parameters' state goes to their new owner
         piece: Dict[str, Any] = {
             "copies": [(c.src_start, c.src_end, c.dst_start) for c in copies],
             "tensors": {k: to_wire(torch.cat([v[c.src_start:c.src_end] for c in copies]) if copies else v[:0])
                         for k, v in sharded.items()},
+            "owned": {k: to_wire(v) for k, v in owned.items() if split_owned_key(k, names)[0] in wanted},
             "groups": scalars.get("groups") or {}}
         if min(rank, old_layout.world_size - 1) == old_rank:  # where new rank `rank` takes per-rank values
             piece["scalars"] = scalars
@@ -94,6 +101,8 @@ class PieceAssembler:
                 n = src_end - src_start
                 dst[dst_start:dst_start + n].copy_(flat[offset:offset + n])
                 offset += n
+        for key, data in piece.get("owned", {}).items():
+            self.tensors[key] = from_wire(data).clone()  # its own memory: the piece goes after this
         self.groups.update(piece.get("groups") or {})
         if "scalars" in piece:
             self.scalars = piece["scalars"]
