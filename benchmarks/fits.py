@@ -2,7 +2,7 @@
 
     python benchmarks/fits.py [--cap-mb 1000] [--workers 2,4] [--only ddp,fsdp2,zr1,zr2,zr3]
         [--d-model 512 --heads 8 --seq-len 64 --batch 2] [--steps 3] [--max-layers 160] [--json out.json]
-        [--offload disk] [--dtype bf16]
+        [--offload disk [--offload-only]] [--dtype bf16]
 
 For each row (torch DDP, torch FSDP2, zeroray stages 1-3; ``zr0`` on request) and each worker
 count, the deepest GPT (examples/gpt.py, fixed width, layers searched) whose every worker stays
@@ -70,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None)
     p.add_argument("--offload", choices=("disk",), default=None,
                    help="add a zr<N>+disk row beside each zeroray row (ZeroConfig(offload='disk'))")
+    p.add_argument("--offload-only", action="store_true",
+                   help="with --offload: the zr<N>+disk rows only (a change to the disk tier leaves the in-memory "
+                        "rows as they were)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="the zeroray rows' ZeroConfig.dtype (mixed precision: the torch rows are refused)")
     args = p.parse_args(argv)
@@ -79,6 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "pass --only with zr rows, e.g. --only zr1,zr3")
     if args.offload:
         args.rows = [x for r in args.rows for x in ((r, f"{r}+{args.offload}") if r.startswith("zr") else (r,))]
+        if args.offload_only:
+            args.rows = [r for r in args.rows if "+" in r]
+    elif args.offload_only:
+        p.error("--offload-only needs --offload disk")
     args.worker_counts = [int(w) for w in args.workers.split(",")]
     return args
 

@@ -9,7 +9,8 @@ its ZeroConfig and worker count (configs.py) and its batches (data.py), and is t
 PyTorch oracle (oracle.py), then judged by the tolerance rule of tests/conformance/compare.py.
 Prints how many cases passed and, for each failure, its seed, a one-line kind (the error, or
 the first quantity that differs), the known gap it exercises if any, the case and the
-command that reruns it alone. ``--without`` leaves out features of known gaps that other
+command that reruns it alone, then what the cases drew (per optimizer, stage, dtype and
+feature: the recipe's and the issue-24 ones). ``--without`` leaves out features of known gaps that other
 branches are fixing (tests/conformance/case.py: GAPS). The fuzzer's core lives in
 tests/conformance/ (the CI set there runs a fixed list of seeds); this is its command line.
 """
@@ -82,11 +83,31 @@ def main(argv=None) -> int:
     fetch = [o.fetch for o in outcomes if o.fetch]
     print(f"\nstage-3 cases on 2-3 workers: {sum(1 for f in fetch)}, of which negotiated fetches: "
           f"{sum(1 for f in fetch if f['rounds'])}, left a followed trace mid-step: {sum(1 for f in fetch if f['plan_exits'])}")
+    print("\ndrew: " + drawn(outcomes))
     gaps = collections.Counter(g for o in outcomes for g in o.gaps)
     if gaps:
         print("\ncases exercising the issue-24 gaps (" + "; ".join(f"{g}: {n}, {GAPS[g][1]}" for g, n in sorted(gaps.items()))
               + ")")
     return 1 if failures else 0
+
+
+def drawn(outcomes) -> str:
+    """What the cases drew, counted: optimizers, stages, dtypes, worker counts and features."""
+    counts = {k: collections.Counter() for k in ("optimizer", "stage", "dtype", "workers", "feature")}
+    for o in outcomes:
+        case, config = o.case, o.case.config
+        counts["optimizer"][config.optimizer] += 1
+        counts["stage"][f"stage{config.zero['stage']}"] += 1
+        counts["dtype"][config.precision] += 1
+        counts["workers"][f"W{config.world}"] += 1
+        features = {k for k in ("sync_bn", "dist_loss") if getattr(case.model, k)}
+        features |= {"sync_bn-W>1"} if case.model.sync_bn and config.world > 1 else set()
+        features |= {"offload_disk"} if config.zero.get("offload") == "disk" else set()
+        features |= {"param_groups"} if config.groups else set()
+        features |= {f"issue24:{g}" for g in o.gaps}
+        features |= {"issue24:2+ together"} if len(o.gaps) >= 2 else set()
+        counts["feature"].update(features)
+    return "; ".join(f"{what}: " + ", ".join(f"{k} {n}" for k, n in sorted(c.items())) for what, c in counts.items())
 
 
 def _kind_class(kind: str) -> str:

@@ -4,7 +4,7 @@ from zeroray.config import (Adam, AdamW, CheckpointConfig, Elementwise, FailureC
 from zeroray.context import WorkerContext, worker_context
 
 __all__ = ["Adam", "AdamW", "SGD", "elementwise", "Elementwise", "ZeroConfig", "ScalingConfig", "FailureConfig",
-           "CheckpointConfig", "Trainer", "StepResult", "estimate_memory", "WorkerContext", "worker_context"]
+           "CheckpointConfig", "Trainer", "StepResult", "Callback", "estimate_memory", "WorkerContext", "worker_context"]
 
 
 def __getattr__(name):
@@ -13,6 +13,10 @@ def __getattr__(name):
         from zeroray.runtime import trainer
 
         return getattr(trainer, name)
+    if name == "Callback":
+        from zeroray.runtime.fit.callbacks import Callback
+
+        return Callback
     if name == "estimate_memory":
         from zeroray.memory.model import estimate_memory
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -259,6 +259,11 @@ class ScalingConfig:
         offers, down to this many (None: num_workers, i.e. wait for the full size); with
         in-memory snapshots, the survivors go on alone when no replacement can be placed
         ([Note: shrink in memory] in runtime/worker_group/reform.py).
+    placement_group: a Ray placement group someone else made (a Ray Tune trial's) to place the
+        workers in, instead of one of zeroray's own; worker r takes bundle
+        ``placement_bundles[r]`` (None: bundle r), which must hold ``cpus_per_worker`` CPUs (and
+        a GPU with use_gpu). zeroray never removes it, and ``placement_strategy`` does not apply
+        ([Note: given placement group] in runtime/worker_group/placement.py). zeroray.tune sets both.
     """
 
     num_workers: int = 2
@@ -268,6 +273,9 @@ class ScalingConfig:
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 60.0
     threads_per_worker: Optional[int] = None
+    # A live Ray handle, not configuration: left out of repr (checkpoint manifests record the repr).
+    placement_group: Any = field(default=None, repr=False)
+    placement_bundles: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         c = "ScalingConfig"
@@ -284,6 +292,20 @@ class ScalingConfig:
         _positive_number(c, "placement_timeout_s", self.placement_timeout_s)
         if self.threads_per_worker is not None:
             _positive_int(c, "threads_per_worker", self.threads_per_worker)
+        self._check_given_placement()
+
+    def _check_given_placement(self) -> None:
+        c, bundles = "ScalingConfig", self.placement_bundles
+        if bundles is None:
+            return
+        if self.placement_group is None:
+            _fail(c, "placement_bundles", bundles, "it names bundles of placement_group=, which is not given")
+        if (not isinstance(bundles, (tuple, list)) or len(set(bundles)) != len(bundles)
+                or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in bundles)):
+            _fail(c, "placement_bundles", bundles, "it must be a tuple of distinct bundle indices >= 0")
+        if len(bundles) != self.num_workers:
+            _fail(c, "placement_bundles", bundles, f"it must name one bundle per worker (num_workers={self.num_workers})")
+        object.__setattr__(self, "placement_bundles", tuple(bundles))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,10 @@ A case may also evaluate after training (``evaluate``): every worker calls the e
 ``evaluate`` on its share of one more batch (``loss_fn`` in eval mode, no gradients) and
 ``run(fuzz_logits, share)`` (the logits), compared with the oracle's model in eval mode.
 
+Drawn last (so adding them changed no earlier draw of a seed), the recipe around the model
+(issue 41, recipe.py): the optimizer and offload="disk" (configs.sample_recipe), and on the
+model SyncBatchNorm (where it has a bn block) and torch.distributed calls in ``loss_fn``.
+
 ``without`` names features to leave out, the known gaps (GAPS) while other branches fix them:
   buffers   bf16/fp16 cases get no float buffer (sinusoidal table, scale, BatchNorm)
   unused    every expert of a Route block gets a row of every global batch (at stages 0-1 with
@@ -19,9 +23,12 @@ A case may also evaluate after training (``evaluate``): every worker calls the e
   eval      no case evaluates after training
   uneven    every global batch divides over workers x micro-batches (else some gain 1 to
             W*k - 1 rows, copies of their first ones, and split as array_split cuts)
+  diverge_dist  no SyncBatchNorm and no torch.distributed in ``loss_fn`` where stage 3's
+            workers may run different modules (a routed model on 2-3 workers: GAPS)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass, field
@@ -29,7 +36,7 @@ from typing import FrozenSet, List, Optional
 
 import torch
 
-from tests.conformance.configs import RunConfig, sample_config, sample_extras, with_rows_at_least
+from tests.conformance.configs import RunConfig, sample_config, sample_extras, sample_recipe, with_rows_at_least
 from tests.conformance.data import make_batches
 from tests.conformance.grammar import FuzzNet, ModelSpec, fuzz_logits, fuzz_loss, sample_model
 from zeroray.engine.batch import split_batch
@@ -48,8 +55,15 @@ GAPS = {
     "eval": ("no evaluation/inference calls on the engine (Engine.evaluate, Engine.run)", "fixed: zeroray/engine/inference.py"),
     "uneven": ("a global batch whose rows do not divide over the workers x micro-batches is refused ('does not "
                "split evenly')", "fixed: zeroray/engine/batch.py, [Note: uneven splits]"),
+    # found by this fuzzer (issue 41): a rank whose routing needs a parameter the other does not
+    # waits in a negotiated gather for a peer that is blocked in the user's collective on the
+    # default group, which takes no part in zeroray's negotiation: both time out
+    "diverge_dist": ("stage 3 on 2-3 workers whose rows route to different experts, with a user collective "
+                     "(SyncBatchNorm, dist.all_reduce in loss_fn) after the divergence: hangs until the collective "
+                     "timeout (gloo 'Timed out waiting ... for recv' / 'Connection closed by peer')",
+                     "open: stage 3's negotiated fetch needs every peer inside zeroray's waits"),
 }
-EXCLUDABLE = ("buffers", "unused", "varshape", "eval", "uneven")
+EXCLUDABLE = ("buffers", "unused", "varshape", "eval", "uneven", "diverge_dist")
 
 
 @dataclass
@@ -90,6 +104,8 @@ class Case:
         parts = self.config.world * self.config.accum
         if any(b["idx"].shape[0] % parts for b in self.batches):
             out.add("uneven")
+        if diverges_with_dist(self.model, self.config):
+            out.add("diverge_dist")
         return frozenset(out)
 
     def _unused_in_last_micro_batch(self) -> bool:
@@ -138,7 +154,19 @@ def make_case(seed: int, without: FrozenSet[str] = frozenset(), max_world: int =
     extra = rng.randint(1, parts - 1) if rng.random() < 0.3 and parts > 1 else 0
     if extra and "uneven" not in without:
         _add_rows(case, extra)
+    case.config = sample_recipe(rng, case.config)
+    sync_bn = rng.random() < 0.5 and "bn" in model.blocks
+    case.model = dataclasses.replace(model, sync_bn=sync_bn, dist_loss=rng.random() < 0.3)
+    if "diverge_dist" in without and diverges_with_dist(case.model, case.config):
+        case.model = dataclasses.replace(case.model, sync_bn=False, dist_loss=False)
     return case
+
+
+def diverges_with_dist(model: ModelSpec, config: RunConfig) -> bool:
+    """Stage 3 on several workers that may run different experts, with a user collective after
+    them (GAPS["diverge_dist"])."""
+    return (config.zero["stage"] == 3 and config.world > 1 and model.routed
+            and (model.dist_loss or (model.sync_bn and "bn" in model.blocks)))
 
 
 def _add_rows(case: Case, extra: int) -> None:

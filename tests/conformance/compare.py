@@ -21,6 +21,12 @@ fp32 (the project's parity bound, as tests/dist/test_engine_parity.py):
   ~lr·1e-5 per step. Real gradients here are ~1e-3..1e-1, so Adam still normalises them,
   and a larger eps makes the update more sensitive to a wrongly scaled gradient, not less
   (at a tiny eps Adam's update is blind to the gradient's scale).
+  The optimizer's path is the one zeroray takes for it: whole parameters for recipe.WHOLE_PARAM,
+  flat pieces for the rest ([Note: optimizer paths] in zeroray/engine/optim_choice.py).
+  torch.optim.Muon (recipe.REORDER_BOUND) rounds its Newton-Schulz iteration in bf16, so a
+  gradient's last-bit difference under another summation order moves its update: a muon case's
+  bound for each quantity is the larger of the one above and twice the oracle's own spread under
+  reordering (oracle.reorder_spread), as tests/dist/test_whole_param_optim.py bounds torch's Muon.
 bf16 and fp16 compute, or reductions (reduce_dtype; configs.RunConfig.precision), against
 the fp32 oracle (the master weights are fp32, compute or reductions are not):
   - each step's global loss within 2% (bf16) or 0.5% (fp16) relative of the fp32 oracle's,
@@ -44,12 +50,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
 from tests.conformance.case import Case
 from tests.conformance.oracle import Reference
+from tests.conformance.recipe import WHOLE_PARAM
 from tests.conformance.runner import RankResults
 
 FP32_LOSS_REL = 1e-5
@@ -67,29 +74,55 @@ class Verdict:
     worst: float = 0.0    # the largest relative loss deviation seen (for reports)
 
 
-def judge(case: Case, ref: Optional[Reference], got: RankResults, oracle_error: Optional[str] = None) -> Verdict:
+@dataclass(frozen=True)
+class Bounds:
+    """The fp32 rule's bounds for one case (the module docstring)."""
+    loss: float = FP32_LOSS_REL
+    norm: float = FP32_NORM_REL
+    param: float = FP32_PARAM_ABS
+    eval_loss: float = FP32_LOSS_REL
+    eval_output: float = FP32_PARAM_ABS
+
+    @classmethod
+    def from_spread(cls, spread: Optional[Dict[str, float]]) -> "Bounds":
+        """Twice the oracle's own spread under reordering, never below the fp32 rule's bounds."""
+        if not spread:
+            return cls()
+        return cls(max(FP32_LOSS_REL, 2 * spread["loss"]), max(FP32_NORM_REL, 2 * spread["norm"]),
+                   max(FP32_PARAM_ABS, 2 * spread["state"]), max(FP32_LOSS_REL, 2 * spread["eval_loss"]),
+                   max(FP32_PARAM_ABS, 2 * spread["eval_output"]))
+
+
+def judge(case: Case, ref: Optional[Reference], got: RankResults, oracle_error: Optional[str] = None,
+          spread: Optional[Dict[str, float]] = None) -> Verdict:
+    """``spread``: the oracle's own under reordering (oracle.reorder_spread), for the optimizers
+    bounded by it."""
     if oracle_error is not None:
         return Verdict(False, f"oracle: {_first_line(oracle_error)}", oracle_error)
     if got.error is not None:
         return Verdict(False, _error_kind(got.error.split("\nrank ")[0]), got.error)  # the first rank's: the cause
     losses = got.losses
     worst = max((abs(a - b) / abs(b) for a, b in zip(losses, ref.losses)), default=0.0)
-    if case.config.precision == "fp32":
-        verdict = _fp32(case, ref, got, losses)
+    whole = case.config.optimizer in WHOLE_PARAM
+    paths = {r["whole_params"] for r in got.per_rank}
+    if paths != {whole}:
+        verdict = Verdict(False, f"optimizer path: whole_params {sorted(paths)} for {case.config.optimizer}")
+    elif case.config.precision == "fp32":
+        verdict = _fp32(case, ref, got, losses, Bounds.from_spread(spread))
     else:
         verdict = _lowp(case, ref, got, losses)
     verdict.worst = worst
     return verdict
 
 
-def _fp32(case: Case, ref: Reference, got: RankResults, losses) -> Verdict:
+def _fp32(case: Case, ref: Reference, got: RankResults, losses, bounds: Bounds) -> Verdict:
     for step, (a, b) in enumerate(zip(losses, ref.losses)):
-        if not abs(a - b) <= FP32_LOSS_REL * abs(b):
+        if not abs(a - b) <= bounds.loss * abs(b):
             return Verdict(False, f"loss differs at step {step}",
                            f"{a!r} vs oracle {b!r} (rel {abs(a - b) / abs(b):.2e})")
     norms = got.per_rank[0]["norms"]
     for step, (a, b) in enumerate(zip(norms, ref.norms)):
-        if not abs(a - b) <= FP32_NORM_REL * abs(b):
+        if not abs(a - b) <= bounds.norm * abs(b):
             return Verdict(False, f"grad norm differs at step {step}", f"{a!r} vs oracle {b!r}")
     skip_buffers = bool(case.config.zero.get("activation_checkpointing"))
     buffer_names = set(ref.state) - set(ref.param_names)
@@ -104,11 +137,11 @@ def _fp32(case: Case, ref: Reference, got: RankResults, losses) -> Verdict:
                 return Verdict(False, f"buffer {name} differs", f"{have} vs oracle {want}")
             continue
         err = (have.to(want.dtype) - want).abs().max().item()
-        if not err <= FP32_PARAM_ABS:
+        if not err <= bounds.param:
             what = "buffer" if name in buffer_names else "param"
             return Verdict(False, f"{what} {name} differs", f"max abs diff {err:.2e}")
     if _eval_comparable(case):
-        return _eval(ref, got, FP32_LOSS_REL, outputs=True)
+        return _eval(ref, got, bounds.eval_loss, outputs=bounds.eval_output)
     return Verdict(True)
 
 
@@ -118,8 +151,9 @@ def _eval_comparable(case: Case) -> bool:
     return case.evaluate and not (case.config.zero.get("activation_checkpointing") and "bn" in case.model.blocks)
 
 
-def _eval(ref: Reference, got: RankResults, rel: float, outputs: bool) -> Verdict:
-    """The evaluate call's loss (the mean over workers) and the run call's logits, per worker."""
+def _eval(ref: Reference, got: RankResults, rel: float, outputs: Optional[float]) -> Verdict:
+    """The evaluate call's loss (the mean over workers) and, with ``outputs`` (their absolute
+    bound), the run call's logits, per worker."""
     ranks = got.per_rank
     a, b = sum(r["eval_loss"] for r in ranks) / len(ranks), sum(ref.eval_losses) / len(ref.eval_losses)
     if not (math.isfinite(a) and abs(a - b) <= rel * abs(b)):
@@ -130,7 +164,7 @@ def _eval(ref: Reference, got: RankResults, rel: float, outputs: bool) -> Verdic
             return Verdict(False, "run output shape differs",
                            f"rank {rank}: {tuple(have.shape)} vs {tuple(want.shape)}")
         err = (have.float() - want).abs().max().item()
-        if not err <= FP32_PARAM_ABS:
+        if not err <= outputs:
             return Verdict(False, "run output differs", f"rank {rank}: max abs diff {err:.2e}")
     return Verdict(True)
 
@@ -145,7 +179,7 @@ def _lowp(case: Case, ref: Reference, got: RankResults, losses) -> Verdict:
             return Verdict(False, f"loss differs at step {step} (> {bound:.1%})",
                            f"{a!r} vs fp32 oracle {b!r} (rel {abs(a - b) / abs(b):.2e})")
     if _eval_comparable(case):
-        return _eval(ref, got, bound, outputs=False)
+        return _eval(ref, got, bound, outputs=None)
     return Verdict(True)
 
 

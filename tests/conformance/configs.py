@@ -8,8 +8,9 @@ timeout and "auto" buckets, activation checkpointing and offload, sharded constr
 cast_buffers, reduce_dtype; wrap and activation checkpointing given as classes or a callable
 (``sample_extras``). Outside ZeroConfig: parameter groups (no weight decay on biases and
 normalisation, half the learning rate on the embedding) and a warm-up LR scheduler. The
-optimizer is always AdamW with the hyperparameters below (compare.py says why eps is 1e-3
-and why cases with bf16/fp16 compute or reductions train at a larger learning rate).
+optimizer (``sample_recipe``, recipe.py) is AdamW with the hyperparameters below (compare.py
+says why eps is 1e-3 and why cases with bf16/fp16 compute or reductions train at a larger
+learning rate) or one of recipe.OPTIMIZERS; offload="disk" is drawn with it.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class RunConfig:
     zero: Dict[str, Any] = field(default_factory=dict)  # ZeroConfig keyword arguments
     groups: bool = False           # parameter groups (param_groups)
     scheduler: bool = False        # the warm-up scheduler (warmup)
+    optimizer: str = "adamw"       # one of recipe.OPTIMIZERS
 
     @property
     def accum(self) -> int:
@@ -76,11 +78,19 @@ class RunConfig:
         return ADAMW if self.precision == "fp32" else {**ADAMW, "lr": LOWP_LR}
 
     def group_overrides(self, name: str, param) -> dict:
-        """``param_groups(name, param)`` at this case's learning rate."""
+        """``param_groups(name, param)`` at this case's optimizer's learning rate."""
+        from tests.conformance.recipe import lr_of
+
         out = param_groups(name, param)
         if "lr" in out:
-            out["lr"] = out["lr"] / ADAMW["lr"] * self.adamw["lr"]
+            out["lr"] = out["lr"] / ADAMW["lr"] * lr_of(self.optimizer, self.adamw)
         return out
+
+    def engine_optimizer(self):
+        """What the engine is given for this case's optimizer (recipe.py)."""
+        from tests.conformance.recipe import engine_optimizer
+
+        return engine_optimizer(self.optimizer, self.adamw)
 
     @property
     def global_rows(self) -> int:
@@ -94,6 +104,7 @@ class RunConfig:
     def describe(self) -> str:
         knobs = " ".join(f"{k}={_show(v)}" for k, v in self.zero.items() if k != "stage")
         extra = (" param_groups" if self.groups else "") + (" warmup" if self.scheduler else "")
+        extra += f" optimizer={self.optimizer}" if self.optimizer != "adamw" else ""
         return f"W{self.world} stage{self.zero['stage']} steps={self.steps} rows={self.rows} {knobs}".rstrip() + extra
 
 
@@ -170,3 +181,17 @@ def sample_extras(rng: random.Random, config: RunConfig) -> RunConfig:
         zero["activation_checkpointing"] = (grammar.Residual, grammar.Conv, grammar.Route)
     return dataclasses.replace(config, zero=zero, groups=rng.random() < 0.2, scheduler=rng.random() < 0.2)
 
+
+
+def sample_recipe(rng: random.Random, config: RunConfig) -> RunConfig:
+    """The optimizer and offload="disk" (issue 41), drawn after everything else of a case (so adding
+    them changed no earlier draw). offload="disk" with a small chunk, so a step reads and writes
+    the state in several chunks."""
+    from tests.conformance.recipe import OPTIMIZERS
+
+    optimizer = rng.choice(OPTIMIZERS)
+    zero = dict(config.zero)
+    if rng.random() < 0.2:
+        zero["offload"] = "disk"
+        zero["offload_chunk_bytes"] = rng.choice((256, 1024, 4096))  # 256: the smallest ZeroConfig takes
+    return dataclasses.replace(config, zero=zero, optimizer=optimizer)

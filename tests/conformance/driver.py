@@ -11,7 +11,8 @@ from typing import Dict, FrozenSet, Iterable, List, Optional
 
 from tests.conformance.case import Case, make_case
 from tests.conformance.compare import Verdict, judge
-from tests.conformance.oracle import Reference, reference_run
+from tests.conformance.oracle import Reference, reference_run, reorder_spread
+from tests.conformance.recipe import REORDER_BOUND
 from tests.conformance.runner import run_cases
 
 
@@ -40,17 +41,20 @@ def run_case_list(cases: List[Case], chunk: int = 40) -> List[Outcome]:
     for lo in range(0, len(cases), chunk):
         part = cases[lo:lo + chunk]
         refs: Dict[int, Optional[Reference]] = {}
+        spreads: Dict[int, Dict[str, float]] = {}
         errors: Dict[int, str] = {}
 
         def oracles() -> None:
             for i, case in enumerate(part):
                 try:
                     refs[i] = reference_run(case)
+                    if case.config.optimizer in REORDER_BOUND and case.config.precision == "fp32":
+                        spreads[i] = reorder_spread(case, refs[i])
                 except Exception:  # noqa: BLE001 - a case the oracle cannot run is reported as such
                     errors[i] = traceback.format_exc()
         results = run_cases(part, while_running=oracles)
         for i, (case, got) in enumerate(zip(part, results)):
-            verdict = judge(case, refs.get(i), got, errors.get(i))
+            verdict = judge(case, refs.get(i), got, errors.get(i), spreads.get(i))
             gaps = set(case.gaps())
             ref = refs.get(i)
             if ref is not None and any(ref.unused):

@@ -20,10 +20,13 @@ Blocks, held in an ``nn.ModuleList`` (so wrap="auto" makes each block a unit of 
            the worker's batch chose does not run there (data-dependent control flow: some
            experts run on some ranks only, and in some steps on none: an unused parameter)
   again    the first linear/twice/conv/mha block object again (one module, two names)
+With ``sync_bn`` every bn block is an ``nn.SyncBatchNorm`` (normalising over the whole global
+micro-batch where torch.distributed is initialised: the oracle runs BatchNorm on it).
 Positions: none, or a sinusoidal table (a float buffer sliced to the sequence length).
 Head: a Linear of its own ("own"), one whose weight is the embedding's ("tied"), or
 ``h @ model.emb.weight.t()`` in ``loss_fn`` ("loss_fn": a parameter read outside forward).
 ``fuzz_logits`` is what ``loss_fn`` computes its loss from (what an inference call returns).
+With ``dist_loss``, ``loss_fn`` also calls torch.distributed (recipe.py's ``dist_loss``).
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ from typing import FrozenSet, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from tests.conformance.recipe import dist_loss
 
 MAX_SEQ = 8       # the longest sequence any case uses (the sinusoidal table's length)
 L2 = 1e-3         # the L2 term's coefficient
@@ -53,6 +58,8 @@ class ModelSpec:
     positions: str   # "none" | "sinusoidal"
     head: str        # "own" | "tied" | "loss_fn"
     l2: bool
+    sync_bn: bool = False    # bn blocks are nn.SyncBatchNorm
+    dist_loss: bool = False  # loss_fn calls torch.distributed (recipe.dist_loss)
 
     def __post_init__(self) -> None:
         for i, kind in enumerate(self.blocks):
@@ -64,6 +71,7 @@ class ModelSpec:
     def describe(self) -> str:
         extras = [f"pos={self.positions}"] if self.positions != "none" else []
         extras += [f"head={self.head}"] + (["l2"] if self.l2 else [])
+        extras += (["sync_bn"] if self.sync_bn else []) + (["dist_loss"] if self.dist_loss else [])
         if "route" in self.blocks:
             extras.append(f"experts={self.experts}")
         if "mha" in self.blocks:
@@ -89,6 +97,7 @@ class ModelSpec:
         out.add(f"head_{self.head}")
         if self.l2:
             out.add("l2")
+        out |= {k for k in ("sync_bn", "dist_loss") if getattr(self, k)}
         return frozenset(out)
 
 
@@ -157,13 +166,13 @@ class Norm(nn.Module):
 
 
 class Batch(nn.Module):
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, sync: bool = False) -> None:
         super().__init__()
         # eps 0.1, not 1e-5: over a micro-batch of 2 tokens a channel's variance can be ~1e-5,
         # and 1/sqrt(var + eps) then amplifies fp32 rounding in the gradients of everything
         # before the BatchNorm ~100-fold (1e-6 noise on a bias whose exact gradient is zero:
         # AdamW turns it into 1e-5 parameter differences). Capped at ~3x, noise stays noise.
-        self.bn = nn.BatchNorm1d(dim, eps=0.1)
+        self.bn = (nn.SyncBatchNorm if sync else nn.BatchNorm1d)(dim, eps=0.1)
 
     def forward(self, x, route):
         return self.bn(x.transpose(1, 2)).transpose(1, 2)
@@ -223,7 +232,7 @@ def _block(kind: str, spec: ModelSpec) -> nn.Module:
     if kind == "ln":
         return Norm(d)
     if kind == "bn":
-        return Batch(d)
+        return Batch(d, sync=spec.sync_bn)
     if kind == "conv":
         return Conv(d)
     if kind == "mha":
@@ -281,8 +290,17 @@ def fuzz_logits(spec: ModelSpec, model: nn.Module, batch: dict) -> torch.Tensor:
 
 
 def fuzz_loss(spec: ModelSpec, model: nn.Module, batch: dict) -> torch.Tensor:
-    """Masked mean cross entropy over the given rows' valid tokens (+ the L2 term)."""
-    out = fuzz_logits(spec, model, batch)
+    """Masked mean cross entropy over the given rows' valid tokens (+ the L2 term); with
+    ``dist_loss``, after torch.distributed calls that leave it as it is."""
+    loss = loss_of_logits(spec, model, fuzz_logits(spec, model, batch), batch)
+    if spec.dist_loss:
+        loss = dist_loss(loss)
+    return loss
+
+
+def loss_of_logits(spec: ModelSpec, model: nn.Module, out: torch.Tensor, batch: dict) -> torch.Tensor:
+    """``fuzz_loss`` from the rows' logits ``out`` (the oracle's SyncBatchNorm cases compute the
+    logits of all workers' rows in one forward, then each worker's loss from its own)."""
     ce = F.cross_entropy(out.float().reshape(-1, spec.vocab), batch["tgt"].reshape(-1), reduction="none")
     mask = batch["mask"].reshape(-1).float()
     loss = (ce * mask).sum() / mask.sum()

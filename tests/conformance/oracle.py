@@ -1,8 +1,8 @@
 """The oracle: the case trained by plain single-process PyTorch, in fp32, with DDP's semantics.
 
 Same initial weights (``torch.manual_seed(seed); FuzzNet(spec)``), same global batches,
-``torch.optim.AdamW`` with the same hyperparameters (and parameter groups and warm-up scheduler
-where the case has them). The global batch is cut as zeroray cuts
+the same optimizer (recipe.py) over the named trainable parameters (and parameter groups and
+warm-up scheduler where the case has them). The global batch is cut as zeroray cuts
 it (workers, then micro-batches: part ``rank * accum + micro``) and the step's loss is the
 mean over the parts of ``loss_fn`` on each part: DDP's loss (each worker's mean over its own
 rows, averaged over workers), which is the global loss only for equal-size mean losses; with
@@ -18,6 +18,14 @@ running statistics), so the oracle keeps one buffer state per worker, runs each 
 with that worker's state, and reports worker 0's. Every worker starts each step from worker 0's
 buffers, as under DDP's default ``broadcast_buffers`` and zeroray's (tests/dist/test_buffer_broadcast.py).
 
+SyncBatchNorm (``spec.sync_bn``) on several workers: micro-batch ``m`` of every worker goes
+through the model in one forward (single-process BatchNorm over all those rows, which is what
+SyncBatchNorm computes across workers, as under torch DDP), each worker's loss is taken from its
+own rows' logits, and the running statistics (the same on every worker) move once per micro-batch.
+
+``reorder_spread`` runs the oracle again with its gradients summed in other orders, for the
+optimizers judged by that spread (recipe.REORDER_BOUND, compare.py).
+
 Evaluation (``case.evaluate``): after training, each worker's share of the eval batch goes
 through ``loss_fn`` and ``fuzz_logits`` in eval mode under ``torch.no_grad()``, with worker 0's
 buffers (DDP broadcasts them before an evaluation forward that follows a step).
@@ -25,12 +33,14 @@ buffers (DDP broadcasts them before an evaluation forward that follows a step).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
 from tests.conformance.case import Case
 from tests.conformance.configs import warmup
+from tests.conformance.grammar import fuzz_logits, loss_of_logits
+from tests.conformance.recipe import oracle_optimizer
 from zeroray.engine.batch import batch_size, split_batch
 
 
@@ -45,7 +55,10 @@ class Reference:
     eval_outputs: List[torch.Tensor] = field(default_factory=list)  # per worker: its rows' logits
 
 
-def reference_run(case: Case) -> Reference:
+def reference_run(case: Case, reorder: Tuple[bool, bool] = (False, False)) -> Reference:
+    """The oracle's run. ``reorder`` = (reversed, unscaled) sums the same gradients in another
+    order: the workers' parts in reverse order, and/or each part's loss backpropagated unscaled
+    with the gradients scaled after the step's backward (``reorder_spread``)."""
     config = case.config
     world, accum = config.world, config.accum
     torch.manual_seed(case.seed)
@@ -53,31 +66,44 @@ def reference_run(case: Case) -> Reference:
     loss_fn = case.loss_fn()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    groups = [{"params": [p], **config.group_overrides(n, p)} for n, p in named] if config.groups else params
-    opt = torch.optim.AdamW(groups, **config.adamw)
+    groups = [{"params": [(n, p)], **config.group_overrides(n, p)} for n, p in named] if config.groups else named
+    opt = oracle_optimizer(config.optimizer, groups, config.adamw)
     scheduler = warmup(opt) if config.scheduler else None
     buffers = [_buffers(model) for _ in range(world)]
     out = Reference([], [], {}, [], [n for n, _ in model.named_parameters(remove_duplicate=False)])
+    ranks = list(range(world))[::-1] if reorder[0] else list(range(world))
+    nparts = world * accum
     for batch in case.batches:
         opt.zero_grad(set_to_none=True)
         parts = [mb for share in split_batch(batch, world) for mb in split_batch(share, accum)]
         rows = batch_size(batch)
-        even = rows % (world * accum) == 0
-        total = 0.0
+        even = rows % nparts == 0
+        unscaled = reorder[1] and even  # backpropagate each loss as it is, divide the gradients after
+
+        def backward(terms):  # [(loss, its part)] of one forward; returns their term of the total, times nparts
+            if even:
+                sum(loss if unscaled else loss / nparts for loss, _ in terms).backward()
+                return sum(loss.item() for loss, _ in terms)
+            shares = [batch_size(part) / rows for _, part in terms]  # weighted by rows; the total stays "times nparts"
+            sum(loss * share for (loss, _), share in zip(terms, shares)).backward()
+            return sum(loss.item() * share * nparts for (loss, _), share in zip(terms, shares))
+
         buffers = [buffers[0]] * world  # rank 0's at the start of the step
-        for rank in range(world):
-            _load_buffers(model, buffers[rank])
-            for micro in range(accum):
-                part = parts[rank * accum + micro]
-                loss = loss_fn(model, part)
-                if even:
-                    (loss / (world * accum)).backward()
-                    total += loss.item()
-                else:  # weighted by its rows; total stays "times world * accum"
-                    share = batch_size(part) / rows
-                    (loss * share).backward()
-                    total += loss.item() * share * world * accum
-            buffers[rank] = _buffers(model)
+        if case.model.sync_bn and world > 1:
+            total = _sync_step(case, model, parts, ranks, backward)
+            buffers = [_buffers(model)] * world
+        else:
+            total = 0.0
+            for rank in ranks:
+                _load_buffers(model, buffers[rank])
+                for micro in range(accum):
+                    part = parts[rank * accum + micro]
+                    total += backward([(loss_fn(model, part), part)])
+                buffers[rank] = _buffers(model)
+        if unscaled:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(nparts)
         _load_buffers(model, buffers[0])
         out.unused.append([n for n, p in named if p.grad is None])
         max_norm = config.zero.get("max_grad_norm") or float("inf")
@@ -85,11 +111,53 @@ def reference_run(case: Case) -> Reference:
         opt.step()
         if scheduler is not None:
             scheduler.step()
-        out.losses.append(total / (world * accum))
+        out.losses.append(total / nparts)
     out.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if case.evaluate:
         _evaluate(case, model, buffers, out)
     return out
+
+
+def _sync_step(case: Case, model: torch.nn.Module, parts: List[dict], ranks: List[int], backward) -> float:
+    """One step of a SyncBatchNorm model on several workers: micro-batch ``m`` of every worker in
+    one forward (BatchNorm over all their rows, what SyncBatchNorm computes across the workers),
+    then each worker's loss from its own rows' logits; ``backward(terms)`` as in
+    ``reference_run``, once, of the workers' losses together. Returns the step's total, as
+    ``reference_run`` sums it."""
+    world, accum = case.config.world, case.config.accum
+    total = 0.0
+    for micro in range(accum):
+        mine = [parts[rank * accum + micro] for rank in range(world)]
+        both = {k: torch.cat([p[k] for p in mine]) for k in mine[0]}
+        logits = fuzz_logits(case.model, model, both)
+        starts = [0]
+        for p in mine:
+            starts.append(starts[-1] + batch_size(p))
+        terms = [(loss_of_logits(case.model, model, logits[starts[r]:starts[r + 1]], mine[r]), mine[r]) for r in ranks]
+        total += backward(terms)
+    return total
+
+
+def reorder_spread(case: Case, ref: Reference) -> Dict[str, float]:
+    """How far the oracle moves from ``ref`` when only its gradients' summation order changes
+    (``reference_run``'s three other orders): the largest relative loss and gradient-norm and
+    eval-loss differences, the largest absolute state and eval-output differences."""
+    spread = {"loss": 0.0, "norm": 0.0, "state": 0.0, "eval_loss": 0.0, "eval_output": 0.0}
+    for reorder in ((True, False), (False, True), (True, True)):
+        other = reference_run(case, reorder)
+        spread["loss"] = max([spread["loss"]] + [_rel(a, b) for a, b in zip(other.losses, ref.losses)])
+        spread["norm"] = max([spread["norm"]] + [_rel(a, b) for a, b in zip(other.norms, ref.norms)])
+        spread["state"] = max([spread["state"]] + [(other.state[k].double() - v.double()).abs().max().item()
+                                                   for k, v in ref.state.items() if v.is_floating_point()])
+        if ref.eval_losses:
+            spread["eval_loss"] = max(spread["eval_loss"], _rel(sum(other.eval_losses), sum(ref.eval_losses)))
+            spread["eval_output"] = max([spread["eval_output"]] + [(a - b).abs().max().item() for a, b in
+                                                                   zip(other.eval_outputs, ref.eval_outputs)])
+    return spread
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a - b)
 
 
 def _evaluate(case: Case, model: torch.nn.Module, buffers: List[Dict[str, torch.Tensor]], out: Reference) -> None:

@@ -7,7 +7,9 @@ Unlike ``run_engines``, a case that fails does not end the set: each rank record
 case's error and goes on. A file barrier between cases (every rank waits until every rank is
 done with the previous case) keeps one case's failure from spilling into the next: a rank
 whose peers hang in a collective waits for them to time out (``GROUP_TIMEOUT_S``) before
-it starts the next rendezvous. Rank 0 picks each case's port just before it uses it.
+it starts the next rendezvous. Rank 0 picks each case's port just before it uses it. Each case
+also joins torch.distributed's default group for its ``loss_fn`` and SyncBatchNorm, as a
+worker's setup does ([Note: torch.distributed in user code] in zeroray/comm/user_group.py).
 """
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ BARRIER_TIMEOUT_S = 120.0  # a rank that died is given up on after this long
 def _worker(rank: int, world: int, blob: bytes, out_dir: str) -> None:
     torch.set_num_threads(1)
     cases = cloudpickle.loads(blob)
+    kept = []  # each case's old default group lives until the rank exits (tests/dist/harness.py)
     for index, case in enumerate(cases):
         if index:
             _barrier(out_dir, index - 1, world)
         if rank < case.config.world:
             try:
-                result = _run_case(rank, case, index, out_dir)
+                result = _run_case(rank, case, index, out_dir, kept)
             except BaseException:  # noqa: BLE001 - recorded; the case fails, the set goes on
                 result = {"error": traceback.format_exc()}
             torch.save(result, os.path.join(out_dir, f"case{index}_rank{rank}.pt"))
@@ -68,19 +71,23 @@ def _port(rank: int, index: int, out_dir: str) -> int:
     return int(open(path).read())
 
 
-def _run_case(rank: int, case: Case, index: int, out_dir: str) -> dict:
-    import zeroray as zr
+def _run_case(rank: int, case: Case, index: int, out_dir: str, kept: list) -> dict:
     from zeroray.comm.group import make_torch_group
+    from zeroray.comm.user_group import join_default_group, leave_default_group
     from zeroray.engine.batch import batch_size, split_batch
     from zeroray.engine.engine import Engine
 
     world = case.config.world
     port = _port(rank, index, out_dir) if world > 1 else 0
-    group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=GROUP_TIMEOUT_S)
+    # the rendezvous waits as long as the barrier: a set's first case also waits for its peers' start-up
+    # (seconds on a loaded machine: 30 s was too short at load 50)
+    group = make_torch_group("gloo", rank, world, "127.0.0.1", port, timeout_s=GROUP_TIMEOUT_S,
+                             rendezvous_timeout_s=BARRIER_TIMEOUT_S)
     engine = None
     try:
+        join_default_group(group, "gloo", GROUP_TIMEOUT_S)
         config = case.config
-        engine = Engine(case.model_fn(), case.loss_fn(), zr.AdamW(**config.adamw), config.zero_config(), group,
+        engine = Engine(case.model_fn(), case.loss_fn(), config.engine_optimizer(), config.zero_config(), group,
                         seed=case.seed, param_groups=config.group_overrides if config.groups else None,
                         scheduler=warmup if config.scheduler else None)
         losses, norms, skipped, fetch = [], [], [], {"rounds": 0, "plan_exits": 0}
@@ -94,7 +101,7 @@ def _run_case(rank: int, case: Case, index: int, out_dir: str) -> dict:
         out = {"losses": losses, "norms": norms, "skipped": skipped, "fetch": fetch,
                "pieces": {name: engine.master_piece(name) for name in engine.layout.param_names},
                "untrained": engine.untrained_state() if rank == 0 else {},
-               "aliases": engine.layout.aliases()}
+               "aliases": engine.layout.aliases(), "whole_params": engine.whole_params}
         if case.evaluate:  # the inference calls of branch evalrun (Engine.evaluate, Engine.run)
             share = split_batch(case.eval_batch, world)[rank]
             out["eval_loss"] = engine.evaluate(share)["loss"]
@@ -103,6 +110,7 @@ def _run_case(rank: int, case: Case, index: int, out_dir: str) -> dict:
     finally:
         if engine is not None:
             engine.close()
+        kept.append(leave_default_group())
         group.close()
 
 

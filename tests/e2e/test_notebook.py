@@ -103,5 +103,8 @@ def test_quickstart_notebook():
     assert sample.startswith("The ") and len(sample.encode("utf-8", errors="replace")) >= 80, sample
     errs = "".join(o.get("text", "") for c in code for o in c.outputs if o.output_type == "stream" and o.name == "stderr")
     assert "zeroray: 100%" in errs and "20/20" in errs  # fit's progress bar (the text one without ipywidgets)
+    sweep = re.findall(r"lr (\de-\d\d): eval loss ([\d.]+) at step 10, 2 workers", text)  # the Ray Tune section
+    assert sorted(lr for lr, _ in sweep) == ["3e-03", "3e-04"], text
+    assert "best lr: 3e-03" in text and min(float(v) for _, v in sweep) < first - 1.0, text
     plots = [o for c in code for o in c.outputs if o.output_type == "display_data" and "image/png" in o.data]
     assert len(plots) == 2

@@ -106,3 +106,25 @@ def test_what_is_shipped_by_value(tmp_path, monkeypatch):
     finally:
         for name in ("zr_ship_a", "zr_ship_b"):
             ray.cloudpickle.unregister_pickle_by_value(sys.modules.pop(name))
+
+
+def test_a_module_that_arrived_by_value_is_shipped_on(tmp_path, monkeypatch):
+    """A Ray Tune trial's function arrives by value with the user's module in its globals, as a
+    module object no import made (not in sys.modules); the Trainer it builds ships that module on:
+    cloudpickle sends it by value again, and registering it (which cloudpickle refuses) is skipped."""
+    (tmp_path / "zr_ship_c.py").write_text("import torch\n\ndef model_fn():\n    return torch.nn.Linear(2, 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import zr_ship_c
+
+    try:
+        ray.cloudpickle.register_pickle_by_value(zr_ship_c)
+        train = eval("lambda: zr_ship_c.model_fn()", {"zr_ship_c": zr_ship_c})
+        arrived = ray.cloudpickle.loads(ray.cloudpickle.dumps(train))  # what a trial process unpickles
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules.pop("zr_ship_c"))
+        module = arrived.__globals__["zr_ship_c"]
+        assert module is not zr_ship_c and "zr_ship_c" not in sys.modules  # a module no import made
+        assert ship_by_value({"model_fn": arrived}) == []  # before the fix: ValueError "not imported correctly"
+        again = ray.cloudpickle.loads(ray.cloudpickle.dumps(arrived))
+        assert isinstance(again(), torch.nn.Linear)  # it still travels, by value
+    finally:
+        sys.modules.pop("zr_ship_c", None)

@@ -96,6 +96,22 @@ def test_cross_field_rules_name_the_field():
         zr.SGD(nesterov=True)
 
 
+def test_given_placement_bundles_are_checked():
+    """ScalingConfig(placement_group=..., placement_bundles=...): one distinct bundle per worker (what
+    the bundles hold is checked against the placement group when the workers start)."""
+    pg = object()  # the config only holds it; tests/ray/test_given_placement.py uses a real one
+    with pytest.raises(ValueError, match=r"placement_bundles=\(1, 2\) .*placement_group=, which is not given"):
+        zr.ScalingConfig(placement_bundles=(1, 2))
+    with pytest.raises(ValueError, match=r"placement_bundles=\(1, 1\) .*distinct bundle indices"):
+        zr.ScalingConfig(placement_group=pg, placement_bundles=(1, 1))
+    with pytest.raises(ValueError, match=r"placement_bundles=\(1, -1\) .*distinct bundle indices >= 0"):
+        zr.ScalingConfig(placement_group=pg, placement_bundles=(1, -1))
+    with pytest.raises(ValueError, match=r"placement_bundles=\(1, 2, 3\) .*one bundle per worker \(num_workers=2\)"):
+        zr.ScalingConfig(placement_group=pg, placement_bundles=(1, 2, 3))
+    given = zr.ScalingConfig(placement_group=pg, placement_bundles=[1, 2])
+    assert given.placement_bundles == (1, 2) and "placement_group" not in repr(given)  # a live handle: not in repr
+
+
 def test_defaults_and_good_values_pass():
     zr.ZeroConfig()
     zr.ZeroConfig(stage=0, dtype="bf16", reduce_dtype="fp32", max_grad_norm=1.0, activation_checkpointing=True)

@@ -1,6 +1,7 @@
 """The import-linter contracts of pyproject.toml hold, and a broken one is caught.
 
-The contracts are the layers of docs/architecture.md ("layers"), "only runtime imports ray",
+The contracts are the layers of docs/architecture.md ("layers", with tune/ and tracking/ above
+runtime/), "only runtime (and the Tune integration above it) imports ray",
 "comm knows nothing of models", "no cycles between sibling modules", the packages inside runtime/
 ("runtime-layers"), "the worker side never imports the driver's packages", "tests import no
 benchmark" and "plan simulates on paper". They are checked by
@@ -63,6 +64,9 @@ def test_contract_is_kept(contract):
     # comm learning about models: the wrap policy is the layout's business, not the collectives'.
     ("zeroray/comm/gather.py", "from zeroray.layout import wrap", "comm-no-models",
      "zeroray.comm.gather -> zeroray.layout.wrap"),
+    # runtime reaching up into a tracker: a worker could then import TensorBoard (tracking/ is above runtime/).
+    ("zeroray/runtime/fit/callbacks.py", "from zeroray.tracking import scalars", "layers",
+     "zeroray.runtime.fit.callbacks -> zeroray.tracking.scalars"),
     # The controller driving fit: fit drives the controller through its public methods, not back.
     ("zeroray/runtime/controller/policy.py", "from zeroray.runtime.fit import loop", "runtime-layers",
      "zeroray.runtime.controller.policy -> zeroray.runtime.fit.loop"),

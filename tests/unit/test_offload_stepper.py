@@ -222,3 +222,59 @@ def test_a_master_on_disk_refuses_writes_into_its_pieces(tmp_path):
         with torch.no_grad():
             off.pieces.pieces[0].param.add_(1.0)
     off.close()
+
+
+HEAP_CHECK = r"""
+import contextlib, ctypes, json, sys, threading
+import torch
+from zeroray.memory.process import MappedBlocks
+from zeroray.offload.shard import DiskShard
+from zeroray.offload.stepper import make_stepper
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+torch.set_num_threads(1)
+numel, out = 8_000_000, {}
+
+def run():
+    shard = DiskShard(torch.randn(numel), sys.argv[1], 0, mapped=MappedBlocks().mapped)
+    param = torch.nn.Parameter(torch.zeros(1).expand(numel))
+    piece = type("Piece", (), {"start": 0, "end": numel, "param": param})()
+    builder = lambda groups: torch.optim.AdamW(groups, lr=1e-3, fused=True)
+    inner = builder([{"params": [param]}])
+    disk = make_stepper(builder, [{}], sys.argv[1], 0, numel, 16 << 20, target=shard)
+    if sys.argv[2] == "as_before":
+        disk.fresh = contextlib.nullcontext
+    param.grad = torch.randn(numel)
+    before = libc.mallinfo2().arena
+    disk.step(inner, [piece])  # the first: every chunk stateless
+    disk.drain()
+    out.update(grown=libc.mallinfo2().arena - before, chunk=disk.chunk_elems * 4)
+    disk.close(); shard.close()
+
+t = threading.Thread(target=run); t.start(); t.join()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="glibc's mallinfo2 on Linux")
+def test_a_first_step_leaves_no_heap_behind(tmp_path):
+    """[Note: fresh state off the heap]: the state torch makes for the first step's chunks is mapped,
+    not cut from the stepping thread's heap (which kept ~7 MB per chunk of it free but resident: 56 MB
+    here before the fix). Its own process: the allocator's thresholds are process-wide."""
+    import json
+    import subprocess
+    import sys
+
+    def grown(row):
+        res = subprocess.run([sys.executable, "-c", HEAP_CHECK, str(tmp_path), row], capture_output=True, text=True,
+                             check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    fresh = grown("fresh")
+    assert fresh["grown"] < fresh["chunk"], fresh  # 0 measured
+    before = grown("as_before")  # the control: the same steps with torch's state from the heap
+    assert before["grown"] > 3 * before["chunk"], before

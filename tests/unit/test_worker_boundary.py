@@ -95,4 +95,4 @@ def test_records_users_read_as_dicts_still_read_as_dicts():
         rec.mode = "restart"
     node = records.NodeInfo(rank=0, node_id="n", ip="10.0.0.1", pid=7, host="h")
     assert node["pid"] == 7 and node == {"rank": 0, "node_id": "n", "ip": "10.0.0.1", "pid": 7, "host": "h",
-                                         "gpu_ids": ()}
+                                         "gpu_ids": (), "placement_group_id": None}

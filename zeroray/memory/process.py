@@ -26,7 +26,8 @@ each one measured (``benchmarks/memory_rss.py``).
   only when the heap cannot serve it, so most unit buffers were still cut from the top of the
   heap, and every activation of 8 MiB or more was a mapping faulted in afresh at each step
   (benchmarks/README.md has both). ``MappedBlocks`` now serves only a stage-3 parameter shard on
-  disk, whose slices it maps (offload/shard.py). Fixing the threshold low for the whole process
+  disk, whose slices it maps (offload/shard.py), and the first step's optimizer state of the disk
+  tier beside it ([Note: fresh state off the heap] in offload/stepper.py). Fixing the threshold low for the whole process
   did the same for memory but faulted every activation in afresh each step (kernel-zeroed
   pages): 40% slower steps on a 3M-parameter model; ``ProcessMemory`` keeps that as an option
   (``mmap_threshold``), off by default.
@@ -144,6 +145,7 @@ class MappedBlocks:
     tunes; does nothing where glibc's ``mallopt`` is not there (then ``active`` is False)."""
 
     def __init__(self) -> None:
+        self._depth = 0  # mapped() contexts open (they nest: a shard's buffer inside a chunk's step)
         mallopt = _glibc("mallopt")
         # Fixing the threshold also stops glibc raising it: it stays where mapped() puts it back.
         self._mallopt = mallopt if mallopt is not None and mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD) == 1 else None
@@ -157,14 +159,20 @@ class MappedBlocks:
 
     @contextlib.contextmanager
     def mapped(self):
+        """Within: blocks of ``MAPPED_THRESHOLD`` or more are mappings of their own. Nested, the
+        threshold goes back to ``HEAP_THRESHOLD`` when the outermost ends, not the innermost."""
         if self._mallopt is None:
             yield
             return
-        self._mallopt(_M_MMAP_THRESHOLD, MAPPED_THRESHOLD)
+        self._depth += 1
+        if self._depth == 1:
+            self._mallopt(_M_MMAP_THRESHOLD, MAPPED_THRESHOLD)
         try:
             yield
         finally:
-            self._mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD)
+            self._depth -= 1
+            if self._depth == 0:
+                self._mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD)
 
 
 def fix_heap_ceiling() -> bool:

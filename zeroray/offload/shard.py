@@ -62,11 +62,13 @@ class DiskShard:
     def __init__(self, values: torch.Tensor, folder: Optional[str], rank: int,
                  mapped: Optional[Callable[[], ContextManager]] = None) -> None:
         """``mapped``: the context its buffers are allocated in (``MappedBlocks.mapped``, as the
-        unit buffers are: [Note: process memory] in memory/process.py)."""
+        unit buffers are: [Note: process memory] in memory/process.py); kept as ``mapped``, for
+        the disk stepper's own transient tensors ([Note: fresh state off the heap] in
+        offload/stepper.py)."""
         if values.device.type != "cpu":
             raise ValueError(f"the parameter shard on disk is read into host memory; it is on {values.device}")
         self.dtype, self.device = values.dtype, values.device
-        self._mapped = mapped or contextlib.nullcontext
+        self.mapped = mapped or contextlib.nullcontext
         self._numel = values.numel()
         self.files = StateFiles(folder, rank, self._numel, [PARAMS], dtype=self.dtype,
                                 what="the stage-3 parameter shard")
@@ -123,7 +125,7 @@ class DiskShard:
             if len(parts) == 1:
                 out = parts[0]
             else:
-                with self._mapped():
+                with self.mapped():
                     out = torch.cat(parts)
         else:
             self.misses += 1
@@ -164,7 +166,7 @@ class DiskShard:
     def _empty(self, numel: int) -> torch.Tensor:
         """A buffer whose memory goes back to the OS when it is freed: the buffers come and go
         a few times a step, between the activations, as the unit buffers do."""
-        with self._mapped():
+        with self.mapped():
             return torch.empty(numel, dtype=self.dtype)
 
     def _pending(self) -> List[Future]:

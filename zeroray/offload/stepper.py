@@ -55,6 +55,22 @@ holds the truth (the files are scratch). The runtime does not yet do that by its
 the error as the worker's own, like any error in user code.
 Checkpoints read the files into the flat tensors they export, and an import writes them back
 (``loaded``, ``spill``; the master: ``read_master``, ``write_master``).
+
+[Note: fresh state off the heap]
+A chunk with no state yet (every chunk of the first step) gets its state from torch, made
+lazily inside ``inner.step()``: for Adam two tensors of the chunk's size, which the step writes
+to the files and the pool's thread frees once written. Taken from the compute thread's malloc
+arena, those chunk-sized blocks, one pair per chunk, freed a chunk or two later between the
+small long-lived allocations of the steps around them, left holes the next chunk's pair did
+not fit, and the arena grew by most of the first step's state and kept it resident. With the
+parameter shard on disk (stage 3), whose allocator serves blocks under 8 MiB from the heap
+(``MappedBlocks`` in memory/process.py), that was most of what a stage-3 offload worker held
+beyond its tensors (benchmarks/offload_heap.py measures the stepper alone: over 31.6M fp32
+elements in 23 chunks the arena grew by 146 MB in the first step, nearly all of it free, and by
+nothing with the fix; docs/planning.md has the fits.py row before and after).
+So a stateless chunk steps inside the shard's ``mapped`` context: torch's fresh state are
+mappings of their own, handed back to the OS when freed, as the shard's buffers are
+(``fresh``; a no-op without a shard on disk, where nothing fixed the threshold this low).
 """
 from __future__ import annotations
 
@@ -62,7 +78,7 @@ import contextlib
 import copy
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -114,6 +130,9 @@ class DiskStepper:
         if (target is not None) != (MASTER in files.keys or self.shared):
             raise ValueError("a disk stepper with the master on disk needs both a master file and a target")
         self.target = target
+        # where a stateless chunk's step runs: torch makes its state there ([Note: fresh state off the heap])
+        self.fresh: Callable[[], ContextManager] = target.mapped if isinstance(target, DiskShard) \
+            else contextlib.nullcontext
         self.chunk_elems = max(1, min(chunk_elems, files.numel or 1))
         self.slots = [{k: torch.empty(self.chunk_elems, dtype=torch.float32)
                        for k in [*files.keys, *([MASTER] if self.shared else [])]} for _ in range(SLOTS)]
@@ -258,7 +277,8 @@ class DiskStepper:
         params = group["params"]
         group["params"] = [chunk]
         try:
-            inner.step()
+            with contextlib.nullcontext() if stateful else self.fresh():
+                inner.step()  # stateless: torch makes the chunk's state ([Note: fresh state off the heap])
         finally:
             group["params"] = params
             state = dict(inner.state.pop(chunk, {}))

@@ -124,6 +124,10 @@ class _Shipper:
     def register(self, module: types.ModuleType) -> None:
         import ray.cloudpickle
 
+        if sys.modules.get(module.__name__) is not module:
+            # No import made it: it arrived by value itself (a Ray Tune trial whose function was
+            # shipped), and cloudpickle sends a module missing from sys.modules by value again.
+            return
         top = sys.modules.get(module.__name__.partition(".")[0], module)  # covers its submodules
         if top.__name__ not in self.registered:
             ray.cloudpickle.register_pickle_by_value(top)

@@ -133,7 +133,9 @@ class SplitInfo:
 
 @dataclass(frozen=True, eq=False)
 class NodeInfo(MappingRecord):
-    """Where a worker runs (``Worker.node_info``, a poll); ``trainer.workers`` lists them."""
+    """Where a worker runs (``Worker.node_info``, a poll); ``trainer.workers`` lists them.
+    ``placement_group_id``: the hex id of the placement group its actor is in (None: none), which
+    zeroray.tune checks is the trial's ([Note: given placement group] in worker_group/placement.py)."""
 
     rank: int
     node_id: str
@@ -141,6 +143,7 @@ class NodeInfo(MappingRecord):
     pid: int
     host: str
     gpu_ids: Tuple[Any, ...] = ()
+    placement_group_id: Optional[str] = None
 
 
 @dataclass(frozen=True, eq=False)

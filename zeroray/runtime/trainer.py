@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -32,6 +32,7 @@ from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfi
 from zeroray.runtime.auto_stage import first_batch, resolve_stage
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.controller.controller import Controller
+from zeroray.runtime.fit.callbacks import Callback, Callbacks
 from zeroray.runtime.fit.evaluation import FitEvaluation
 from zeroray.runtime.fit.loop import run_fit
 from zeroray.runtime.records import CommReport, MemoryReport, NodeInfo, RecoveryRecord, WorkerSpec
@@ -177,7 +178,8 @@ class Trainer:
 
     @property
     def workers(self) -> List[NodeInfo]:
-        """Per worker: rank, node id, ip, pid (where each actor runs); ``w.pid`` or ``w["pid"]``."""
+        """Per worker: rank, node id, ip, pid, placement group id (where each actor runs); ``w.pid`` or
+        ``w["pid"]``."""
         return list(self.controller.group.nodes)
 
     def shutdown(self) -> None:
@@ -203,7 +205,8 @@ class Trainer:
 
     def fit(self, data: Any, num_steps: Optional[int] = None, *, batch_size: Optional[int] = None,
             skip: Optional[int] = None, progress: bool = True, eval_data: Any = None,
-            eval_every: Optional[int] = None, eval_metric_fn: Optional[Callable] = None) -> List[StepResult]:
+            eval_every: Optional[int] = None, eval_metric_fn: Optional[Callable] = None,
+            callbacks: Sequence[Callback] = ()) -> List[StepResult]:
         """Train on ``data``: an iterable of global batches, or a ``ray.data.Dataset`` (give batch_size).
 
         Runs ``num_steps`` steps (default: until the data ends). The first ``skip`` batches are
@@ -217,18 +220,25 @@ class Trainer:
         batches of ``batch_size``. Each evaluation goes to the progress bar or log lines, to the
         metrics file (a record with ``step``, ``eval_loss`` and ``eval_<metric>``) and to the
         ``evaluation`` of the StepResult of the step it followed.
+
+        ``callbacks``: ``zr.Callback`` objects (the trackers of ``zeroray.tracking``, or your own)
+        that fit calls on the driver as it starts, steps, evaluates, saves, recovers and ends
+        (``on_step(result)`` for every step, after its checkpoint and evaluation): see
+        runtime/fit/callbacks.py.
         """
+        hooks = Callbacks(callbacks)
         if eval_metric_fn is not None:
             ship_by_value(eval_metric_fn)
         data = self._start_for(data, batch_size)
         return run_fit(self.controller, data, num_steps, batch_size=batch_size, skip=skip, progress=progress,
                        failure=self.failure, checkpoint=self.checkpoint_config, metrics_path=self.metrics_path,
-                       evaluation=FitEvaluation.of(eval_data, eval_every, eval_metric_fn, batch_size))
+                       evaluation=FitEvaluation.of(eval_data, eval_every, eval_metric_fn, batch_size),
+                       callbacks=hooks)
 
     # --- evaluation and inference ([Note: inference calls] in zeroray/engine/inference.py) ----------
 
-    def evaluate(self, data: Any, metric_fn: Optional[Callable] = None, batch_size: Optional[int] = None
-                 ) -> Dict[str, float]:
+    def evaluate(self, data: Any, metric_fn: Optional[Callable] = None, batch_size: Optional[int] = None, *,
+                 callbacks: Sequence[Callback] = ()) -> Dict[str, float]:
         """The model's loss (and metrics) on ``data``, without training: ``{"loss": ..., **metrics}``.
 
         ``data``: an iterable of global batches (each split over the workers as in ``step``), or a
@@ -238,15 +248,19 @@ class Trainer:
         in ``eval()`` mode under ``torch.no_grad()``. Per batch, each value is the mean over the
         workers weighted by their rows (the training loss's semantics), then the mean over the batches.
         Touches no optimizer state, step count or gradient, and leaves stage 3's prefetch trace
-        as it was.
+        as it was. ``callbacks``' ``on_evaluation(step_count, result)`` sees the result (a tracker
+        logs it at the current step).
         """
+        hooks = Callbacks(callbacks)
         if metric_fn is not None and not callable(metric_fn):
             raise ValueError("metric_fn must be a callable (model, batch) -> dict of name -> float, "
                              f"got {type(metric_fn).__name__}")
         if metric_fn is not None:
             ship_by_value(metric_fn)
         data = self._start_for(data, batch_size)
-        return self.controller.evaluate(data, metric_fn, batch_size)
+        metrics = self.controller.evaluate(data, metric_fn, batch_size)
+        hooks.evaluation(self.controller.step_count, metrics)
+        return metrics
 
     def run(self, fn: Callable, *args: Any) -> Any:
         """``fn(model, *args)`` on every worker with the sharded model in ``eval()`` mode under
@@ -268,25 +282,11 @@ class Trainer:
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """Consolidated fp32 parameters (and buffers), keys as ``model_fn().state_dict()``."""
-        params = self.controller.gather(self.layout.param_names)
-        untrained = self.controller.untrained_state()
-        out = {}
-        for key in self.controller.state_dict_keys:
-            if key in self.layout.slots:
-                out[key] = params[self.layout.slots[key].name].clone()
-            elif key in untrained:
-                out[key] = untrained[key]
-        return out
+        return self.controller.state_dict()
 
     def get_parameter(self, name: str) -> torch.Tensor:
         """One full parameter (fp32), gathered to the driver from the shards that hold it."""
-        if name in self.layout.slots:
-            return self.controller.gather([self.layout.slots[name].name])[self.layout.slots[name].name]
-        untrained = self.controller.untrained_state()
-        if name in untrained:
-            return untrained[name]
-        raise KeyError(f"no parameter or buffer named {name!r}; names are those of model.state_dict(), "
-                       f"e.g. {self.controller.state_dict_keys[:5]}")
+        return self.controller.parameter(name)
 
     def comm_report(self) -> List[CommReport]:
         """Per worker, for the last step: bytes and calls per collective, exposed wait, prefetch hits

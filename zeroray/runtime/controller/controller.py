@@ -188,6 +188,28 @@ class Controller(Recovery, Checkpointing, Resizing):
         """Rank 0's buffers and frozen parameters (the same on every worker)."""
         return self.on_workers("untrained_state", ranks=[0])[0]
 
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """Trainer.state_dict: the fp32 parameters, whole, and the buffers, in ``state_dict_keys``' order."""
+        params = self.gather(self.layout.param_names)
+        untrained = self.untrained_state()
+        out = {}
+        for key in self.state_dict_keys:
+            if key in self.layout.slots:
+                out[key] = params[self.layout.slots[key].name].clone()
+            elif key in untrained:
+                out[key] = untrained[key]
+        return out
+
+    def parameter(self, name: str) -> torch.Tensor:
+        """Trainer.get_parameter: one parameter (fp32, whole) or buffer, by its state_dict name."""
+        if name in self.layout.slots:
+            return self.gather([self.layout.slots[name].name])[self.layout.slots[name].name]
+        untrained = self.untrained_state()
+        if name in untrained:
+            return untrained[name]
+        raise KeyError(f"no parameter or buffer named {name!r}; names are those of model.state_dict(), "
+                       f"e.g. {self.state_dict_keys[:5]}")
+
     # --- fit -------------------------------------------------------------------------------
 
     def begin_fit(self, skip: Optional[int], failure: FailureConfig) -> None:

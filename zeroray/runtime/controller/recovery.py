@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import ray
 
+from zeroray.config import ScalingConfig
 from zeroray.runtime.controller.policy import Action, ScalingPolicy
 from zeroray.runtime.failures import PlacementError, WorkerSetupError, is_worker_failure
 from zeroray.runtime.records import RecoveryRecord
@@ -103,7 +104,8 @@ class Recovery:
         t0 = time.monotonic()
         self.slot.release()
         self.pipeline.forget()
-        decision = scaling.on_restart(*_free_resources(scaling))
+        decision = scaling.on_restart(*(_free_resources(scaling) if self.scaling.placement_group is None
+                                        else _given_bundles_room(self.scaling)))
         if decision.action is Action.RESIZE:
             note(f"zeroray: {decision.reason}")
         t1 = time.monotonic()
@@ -182,6 +184,13 @@ class Recovery:
             raise RuntimeError(f"the in-memory snapshot of step {snap.step} loaded as step {steps[0]}: a zeroray bug")
         self.position.set(snap.step, snap.data_position)
         return None
+
+
+def _given_bundles_room(scaling: ScalingConfig) -> Tuple[float, float]:
+    """CPUs and GPUs of a given placement group's worker bundles: reserved for this trainer alone,
+    all free again once its group is torn down ([Note: given placement group] in
+    worker_group/placement.py)."""
+    return scaling.num_workers * scaling.cpus_per_worker, float(scaling.num_workers if scaling.use_gpu else 0)
 
 
 def _free_resources(scaling: ScalingPolicy, wait_s: float = 3.0) -> Tuple[float, float]:

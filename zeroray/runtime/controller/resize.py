@@ -25,6 +25,11 @@ class Resizing:
         in worker/state_transfer.py). If the new workers cannot be placed or built, the trainer goes on
         with its old workers and the error says so."""
         ScalingConfig(num_workers=num_workers)  # validates
+        if self.scaling.placement_group is not None:  # [Note: given placement group] in worker_group/placement.py
+            raise ValueError(f"resize({num_workers}): the workers are in bundles of a given placement group "
+                             "(ScalingConfig(placement_group=...), e.g. a Ray Tune trial's), which has no room for a "
+                             "second group beside them; save() and Trainer.restore(...) into a placement group of "
+                             f"{num_workers} worker bundles instead (in Tune: the trial's resources)")
         self.states.enter(TrainerState.RESIZING)
         try:
             old = self.group

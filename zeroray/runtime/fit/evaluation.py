@@ -5,7 +5,7 @@ an evaluation follows, and collects that step first (as for a checkpoint, [Note:
 steps] in fit/loop.py), so the evaluation sees exactly the weights of the step it reports.
 Its values go where the steps' go: the progress bar or log lines, the metrics file (one
 record ``{"step", "eval_loss", "eval_<metric>", "time"}``) and the ``evaluation`` of the
-StepResult of the step it followed.
+StepResult of the step it followed, and to the callbacks' ``on_evaluation`` (fit/callbacks.py).
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 from zeroray.runtime.controller.controller import Controller
 from zeroray.runtime.data_source import is_ray_dataset
-from zeroray.runtime.fit.progress import Progress
 from zeroray.runtime.execution.step import StepResult
+from zeroray.runtime.fit.callbacks import Callbacks
+from zeroray.runtime.fit.progress import Progress
 
 
 class FitEvaluation:
@@ -50,7 +51,8 @@ class FitEvaluation:
         """Whether an evaluation follows the step that ends at step count ``step``."""
         return bool(self.every) and step % self.every == 0
 
-    def run(self, controller: Controller, results: List[StepResult], bar: Optional[Progress]) -> Dict[str, float]:
+    def run(self, controller: Controller, results: List[StepResult], bar: Optional[Progress],
+            callbacks: Callbacks) -> Dict[str, float]:
         """Evaluate now (no step in flight) and report it."""
         metrics = controller.evaluate_in_fit(self.data, self.metric_fn, self.dataset_batch_size)
         step = controller.step_count
@@ -59,9 +61,11 @@ class FitEvaluation:
             results[-1].evaluation = metrics
         if bar is not None:
             bar.evaluation(step, metrics)
+        callbacks.evaluation(step, metrics)
         return metrics
 
-    def finish(self, controller: Controller, results: List[StepResult], bar: Optional[Progress]) -> None:
+    def finish(self, controller: Controller, results: List[StepResult], bar: Optional[Progress],
+               callbacks: Callbacks) -> None:
         """The evaluation at the end of fit, unless the last step's already ran."""
         if self.last_step != controller.step_count:
-            self.run(controller, results, bar)
+            self.run(controller, results, bar, callbacks)

@@ -10,7 +10,8 @@ meaning of fit does not change:
   error alone.
 - A checkpoint waits for its step: when step N is one that saves (``every_steps``), N+1 is not
   sent until N's result is in and the save is done, so no queued step runs before the save.
-  An evaluation (``eval_every``, fit/evaluation.py) waits for its step the same way.
+  An evaluation (``eval_every``, fit/evaluation.py) waits for its step the same way, and so does a
+  callback's ``pauses_after`` step (fit/callbacks.py).
 - Results and progress come in step order, one per step, as each step is collected.
 - When fit leaves early (the data iterator raised, Ctrl-C), the step still in flight is
   collected first, so ``step_count`` and ``data_position`` count exactly the steps the
@@ -33,6 +34,7 @@ from typing import Any, List, Optional
 
 from zeroray.config import CheckpointConfig, FailureConfig
 from zeroray.runtime.controller.controller import Controller
+from zeroray.runtime.fit.callbacks import Callbacks
 from zeroray.runtime.fit.data import Feed, feed_for, replayable
 from zeroray.runtime.fit.evaluation import FitEvaluation
 from zeroray.runtime.fit.progress import Progress
@@ -45,8 +47,11 @@ PIPELINE_DEPTH = 2  # steps in flight: the one running and the one queued behind
 
 def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batch_size: Optional[int],
             skip: Optional[int], progress: bool, failure: FailureConfig, checkpoint: CheckpointConfig,
-            metrics_path: Optional[str], evaluation: Optional[FitEvaluation] = None) -> List[StepResult]:
-    """Trainer.fit: see its docstring, [Note: pipelined steps] and [Note: data replay]."""
+            metrics_path: Optional[str], evaluation: Optional[FitEvaluation] = None,
+            callbacks: Optional[Callbacks] = None) -> List[StepResult]:
+    """Trainer.fit: see its docstring, [Note: pipelined steps] and [Note: data replay]; the events
+    reach ``callbacks`` as fit/callbacks.py says."""
+    callbacks = callbacks or Callbacks()
     if num_steps is not None and (not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0):
         raise ValueError(f"num_steps={num_steps!r} must be an int >= 0, or None to run until the data ends")
     if failure.max_failures > 0 and not replayable(data):
@@ -54,7 +59,9 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
                          "whose __iter__ starts over), so batches can be replayed after a failure; "
                          "got a one-shot iterator")
     controller.begin_fit(skip, failure)
+    error: Optional[BaseException] = None
     try:
+        callbacks.fit_start(controller.step_count)
         end = None if num_steps is None else controller.data_position + num_steps
         feed = feed_for(controller, data, batch_size)  # checks a Dataset's batch_size before any step
         bar = Progress(num_steps, metrics_path=metrics_path) if progress else None
@@ -66,14 +73,15 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
                 try:
                     if resave:  # the save a failure interrupted: recovery resumed at its step
                         resave = False
-                        controller.save(checkpoint.path, checkpoint.keep)
-                    _run(controller, feed, end, checkpoint, results, bar, evaluation)
+                        _save(controller, checkpoint, callbacks)
+                    _run(controller, feed, end, checkpoint, results, bar, evaluation, callbacks)
                     if evaluation is not None:
-                        evaluation.finish(controller, results, bar)
+                        evaluation.finish(controller, results, bar, callbacks)
                     break
-                except Exception as error:  # noqa: BLE001 - classified by recover: raise, or restart
+                except Exception as failed:  # noqa: BLE001 - classified by recover: raise, or restart
                     feed.close()
-                    controller.recover(error, note)
+                    controller.recover(failed, note)
+                    callbacks.recovery(controller.recoveries[-1])
                     results[:] = [r for r in results if r.step <= controller.step_count]  # replayed below
                     # From an in-memory snapshot, recovery may resume exactly at a step whose save
                     # the failure interrupted (a worker died writing it): the loop would not save
@@ -86,12 +94,17 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
             if bar:
                 bar.close()
         return results
+    except BaseException as raised:
+        error = raised
+        raise
     finally:
         controller.end_fit()
+        callbacks.fit_end(controller.step_count, error)  # the Trainer is idle again: on_fit_end may evaluate
 
 
 def _run(controller: Controller, feed: Feed, end: Optional[int], ckpt: CheckpointConfig,
-         results: List[StepResult], bar: Optional[Progress], evaluation: Optional[FitEvaluation]) -> None:
+         results: List[StepResult], bar: Optional[Progress], evaluation: Optional[FitEvaluation],
+         callbacks: Callbacks) -> None:
     """Steps from ``feed`` until it ends or ``end`` is reached, PIPELINE_DEPTH in flight in the
     controller's pipeline ([Note: one step pipeline] in execution/pipeline.py)."""
     pipeline = controller.pipeline
@@ -102,8 +115,9 @@ def _run(controller: Controller, feed: Feed, end: Optional[int], ckpt: Checkpoin
                 if end is not None and controller.data_position + len(pipeline) >= end:
                     break
                 last = pipeline.last_number
-                if last is not None and (_saves_after(last, ckpt) or (evaluation is not None and evaluation.due(last))):
-                    break  # a checkpoint or evaluation waits for its step: nothing may run before it
+                if last is not None and (_saves_after(last, ckpt) or (evaluation is not None and evaluation.due(last))
+                                         or callbacks.pauses_after(last)):
+                    break  # a checkpoint, evaluation or callback waits for its step: nothing may run before it
                 ended = feed.send() is None
             if not len(pipeline):
                 return
@@ -117,14 +131,21 @@ def _run(controller: Controller, feed: Feed, end: Optional[int], ckpt: Checkpoin
                     bar.tokens_per_step = tokens
                 bar.update(result)
             if _saves_after(result.step, ckpt):
-                controller.save(ckpt.path, ckpt.keep)
+                _save(controller, ckpt, callbacks)
             if evaluation is not None and evaluation.due(result.step):
-                evaluation.run(controller, results, bar)
+                evaluation.run(controller, results, bar, callbacks)
+            callbacks.step(result)
     except BaseException:
         # The driver's side failed (the data iterator, a save, Ctrl-C): the steps already sent
         # count, so step_count and data_position say what the workers applied.
         pipeline.settle(results)
         raise
+
+
+def _save(controller: Controller, ckpt: CheckpointConfig, callbacks: Callbacks) -> None:
+    """fit's checkpoint of the step it is at (every_steps, or the save a failure interrupted)."""
+    path = controller.save(ckpt.path, ckpt.keep)
+    callbacks.checkpoint(controller.step_count, path)
 
 
 def _saves_after(step: int, ckpt: CheckpointConfig) -> bool:

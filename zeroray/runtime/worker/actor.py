@@ -64,7 +64,8 @@ class Worker(SnapshotCalls):
         ctx = ray.get_runtime_context()
         return NodeInfo(rank=self.rank, node_id=ctx.get_node_id(), ip=ray.util.get_node_ip_address(),
                         pid=os.getpid(), host=socket.gethostname(),
-                        gpu_ids=tuple(ray.get_gpu_ids()) if self.use_gpu else ())
+                        gpu_ids=tuple(ray.get_gpu_ids()) if self.use_gpu else (),
+                        placement_group_id=ctx.get_placement_group_id())  # zeroray.tune checks it is the trial's
 
     @ray.method(concurrency_group="control")
     def free_port(self) -> int:

@@ -15,6 +15,18 @@ they landed, removes it and places one placement group per bundle on those nodes
 node hint: where a node has no room by then, Ray places the bundle elsewhere; without spares the
 shared placement group stays, so a STRICT strategy is strict only without spares). Spares are
 placed after the group is placed and built, so they queue behind it for resources.
+
+[Note: given placement group]
+``ScalingConfig(placement_group=pg, placement_bundles=...)`` places the workers in bundles of a
+placement group made elsewhere, a Ray Tune trial's (zeroray/tune/), so that they use the
+resources reserved for the trial and nothing outside them: rank r's actor goes into bundle
+``placement_bundles[r]``, through the same slots every other path uses (a replacement takes the
+lost rank's bundle, a restart after a failure the same bundles again). The group never removes
+that placement group (it is not in ``_pgs``; its owner removes it), and two things that need
+room beside the group are refused with a ValueError: spares (each holds a placement group of
+its own, outside the given one) and a resize (the new group is placed next to the old one;
+the Controller's resize, controller/resize.py, says to save and restore into resources of the
+new size instead).
 """
 from __future__ import annotations
 
@@ -80,8 +92,11 @@ class Placement:
     def _reserve(self, count: int) -> List[Slot]:
         """Place ``count`` bundles with the scaling's strategy, waited for up to placement_timeout_s:
         one placement group of ``count`` bundles, or with spares one of a bundle each, on the nodes
-        the strategy chose ([Note: spare placement]). Raises PlacementError."""
+        the strategy chose ([Note: spare placement]); or take the given placement group's bundles
+        ([Note: given placement group]). Raises PlacementError."""
         scaling, bundle = self._scaling, self._bundle
+        if scaling.placement_group is not None:
+            return self._given_bundles(count)
         deadline = time.monotonic() + scaling.placement_timeout_s
         gang = placement_group([dict(bundle) for _ in range(count)], strategy=scaling.placement_strategy)
         pgs = [gang]
@@ -105,6 +120,30 @@ class Placement:
                 "(cpus_per_worker), or add nodes.") from None
         self._pgs = list(pgs)
         return [(pg, 0) for pg in pgs]
+
+    def _given_bundles(self, count: int) -> List[Slot]:
+        """The slots of the first ``count`` bundles ScalingConfig names in a placement group made
+        elsewhere, checked and waited for; this group neither owns nor removes it."""
+        scaling = self._scaling
+        pg = scaling.placement_group
+        indices = scaling.placement_bundles or tuple(range(scaling.num_workers))
+        if self._singles:
+            raise ValueError("FailureConfig(spares=...) needs placement groups of zeroray's own (each spare holds one), "
+                             "and ScalingConfig(placement_group=...) places every worker in a given one: "
+                             "use spares=0 there")
+        specs = pg.bundle_specs
+        for i in indices[:count]:
+            have = specs[i] if i < len(specs) else None
+            if have is None or any(have.get(k, 0) < v for k, v in self._bundle.items()):
+                raise ValueError(f"ScalingConfig(placement_bundles={indices}): bundle {i} of the given placement group "
+                                 f"is {have} (its bundles: {specs}), but a worker needs {self._bundle}; name bundles "
+                                 "that hold cpus_per_worker CPUs (and a GPU with use_gpu)")
+        try:
+            _wait_placed([pg], time.monotonic() + scaling.placement_timeout_s)
+        except PlacementError:
+            raise PlacementError(f"the given placement group was not placed within placement_timeout_s="
+                                 f"{scaling.placement_timeout_s:g}: {cluster_offer()}") from None
+        return [(pg, i) for i in indices[:count]]
 
     def _new_actor(self, rank: int, slot: Optional[Slot]) -> Any:
         """A worker actor in ``slot`` (a placement group's bundle), or outside any (None); rank -1: a spare."""
