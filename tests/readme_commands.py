@@ -21,6 +21,9 @@ RUNS = {
     "A notebook": ".ci/run",
     "A job on a Ray cluster": "tests/e2e/test_job_submission.py",
     "Fine-tuning a Hugging Face model": "tests/e2e/test_finetune_hf.py",
+    # its driver (tests/e2e/tune_driver.py) runs examples/tune_lr.py's main with the README's arguments
+    # on the local multi-node cluster and checks where the trials' workers went
+    "Hyperparameter sweeps with Ray Tune": "tests/e2e/test_cluster_tune.py",
 }
 # Commands .ci/run runs instead of their subsection's test: a long run with nothing to compare,
 # kept out of the pytest suite's time.

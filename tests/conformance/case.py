@@ -24,7 +24,7 @@ model SyncBatchNorm (where it has a bn block) and torch.distributed calls in ``l
   uneven    every global batch divides over workers x micro-batches (else some gain 1 to
             W*k - 1 rows, copies of their first ones, and split as array_split cuts)
   diverge_dist  no SyncBatchNorm and no torch.distributed in ``loss_fn`` where stage 3's
-            workers may run different modules (a routed model on 2-3 workers: GAPS)
+            workers may run different modules (a routed model on 2-3 workers)
 """
 from __future__ import annotations
 
@@ -56,12 +56,12 @@ GAPS = {
     "uneven": ("a global batch whose rows do not divide over the workers x micro-batches is refused ('does not "
                "split evenly')", "fixed: zeroray/engine/batch.py, [Note: uneven splits]"),
     # found by this fuzzer (issue 41): a rank whose routing needs a parameter the other does not
-    # waits in a negotiated gather for a peer that is blocked in the user's collective on the
-    # default group, which takes no part in zeroray's negotiation: both time out
+    # waited in a negotiated gather for a peer that was blocked in the user's collective on the
+    # default group, which takes no part in zeroray's negotiation: both timed out
     "diverge_dist": ("stage 3 on 2-3 workers whose rows route to different experts, with a user collective "
-                     "(SyncBatchNorm, dist.all_reduce in loss_fn) after the divergence: hangs until the collective "
+                     "(SyncBatchNorm, dist.all_reduce in loss_fn) after the divergence: hung until the collective "
                      "timeout (gloo 'Timed out waiting ... for recv' / 'Connection closed by peer')",
-                     "open: stage 3's negotiated fetch needs every peer inside zeroray's waits"),
+                     "fixed: zeroray/fetch/unit_fetcher.py, [Note: answering rounds outside zeroray]"),
 }
 EXCLUDABLE = ("buffers", "unused", "varshape", "eval", "uneven", "diverge_dist")
 

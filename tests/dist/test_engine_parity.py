@@ -8,6 +8,7 @@ import torch
 
 import zeroray as zr
 from tests.dist.harness import run_engine_table
+from tests.dist.parity import assert_parity, global_losses  # noqa: F401 (the other parity tests import them here)
 from tests.models import branch_model, lm_loss, make_batches, parity_model, reference_run
 
 STEPS = 10
@@ -16,23 +17,6 @@ ADAMW = dict(lr=1e-2, weight_decay=0.1)
 
 def ref_adamw(m):
     return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], **ADAMW)
-
-
-def global_losses(results):
-    # Each rank reports the mean loss of its share; the global loss is their average.
-    return [sum(r["losses"][i] for r in results) / len(results) for i in range(len(results[0]["losses"]))]
-
-
-def assert_parity(ref, results, params, rel=1e-5, atol=1e-5):
-    ref_losses, ref_norms, ref_state = ref
-    for step, (a, b) in enumerate(zip(global_losses(results), ref_losses)):
-        assert abs(a - b) <= rel * abs(b), f"step {step}: loss {a} vs reference {b}"
-    for name, want in ref_state.items():
-        got = params[name].reshape(want.shape).to(want.dtype)
-        err = (got - want).abs().max().item()
-        assert err <= atol, f"{name}: max abs diff {err}"
-    for r in results[1:]:  # every rank computed the same global norm
-        assert r["norms"] == pytest.approx(results[0]["norms"], rel=1e-6)
 
 
 def _spec(stage, batches, model_fn=parity_model, **zero):

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import zeroray as zr
+from tests.dist.ddp_run import ddp_spec, fused_adamw
 from tests.dist.harness import run_engine_table
-from tests.dist.test_engine_parity import assert_parity, global_losses
+from tests.dist.parity import assert_parity, ddp_state, global_losses
 from tests.models import reference_run
 from tests.real_models import FACTORIES, hf_gpt2, real_batches, real_loss
 
@@ -80,6 +81,26 @@ def _specs(saved, world):
     return specs
 
 
+def _ddp_specs(saved, world):
+    """("ddp", reference name, loss kind) -> torch DDP on the same batches: one per reference
+    below (every stage and checkpointing setting of a model shares it), the second reference of
+    [Note: parity bound] in tests/dist/parity.py."""
+    batches = real_batches(STEPS, batch=4 * world)
+    models = _models(saved)
+    specs = {}
+    for name, stage, kind in _specs(saved, world):
+        ref_name, loss = _reference_of(name, kind)
+        specs[("ddp", ref_name, kind == "l2")] = ddp_spec(model_fn=models[ref_name], loss_fn=loss,
+                                                          optimizer=fused_adamw(**ADAMW), batches=batches)
+    return specs
+
+
+def _reference_of(name, kind):
+    """(model name, loss_fn) of the single-process reference of a run: zeroray.hf.pretrained's
+    weights are the saved ones, so its reference loads them whole."""
+    return ("from_pretrained" if name == "hf.pretrained" else name), (l2_loss if kind == "l2" else real_loss)
+
+
 def _llama_bf16_spec():
     from tests.real_models import hf_llama
 
@@ -89,18 +110,20 @@ def _llama_bf16_spec():
 
 @pytest.fixture(scope="module")
 def runs(saved_gpt2):
-    """Each world size's runs in a set of processes of its own, the bf16 Llama run of the test
-    below with the 2-worker ones (start-up, transformers' import included, is a set's largest
-    cost): (world, key) -> (results, params)."""
+    """Each world size's runs (zeroray's and torch DDP's) in a set of processes of its own, the
+    bf16 Llama run of the test below with the 2-worker ones (start-up, transformers' import
+    included, is a set's largest cost): (world, key) -> (results, params)."""
     out = {}
     for world in WORLDS:
-        table = {(world, key): (world, spec) for key, spec in _specs(saved_gpt2, world).items()}
+        specs = {**_specs(saved_gpt2, world), **_ddp_specs(saved_gpt2, world)}
+        table = {(world, key): (world, spec) for key, spec in specs.items()}
         if world == 2:
             table[(2, "llama-bf16")] = (2, _llama_bf16_spec())
         out.update(run_engine_table(table))
     return out
 
 
+@pytest.mark.timeout(1200)  # the first one sets up the module's runs, torch DDP's among them: ~10 min under load
 @pytest.mark.parametrize("world", WORLDS)
 def test_models_we_did_not_write_match_pytorch(saved_gpt2, runs, world):
     batches = real_batches(STEPS, batch=4 * world)
@@ -108,20 +131,22 @@ def test_models_we_did_not_write_match_pytorch(saved_gpt2, runs, world):
     refs = {}  # the reference depends on the model and the loss, not on the stage or the checkpointing
     for name, stage, kind in _specs(saved_gpt2, world):
         results, params = runs[(world, (name, stage, kind))]
-        # zeroray.hf.pretrained's weights are the saved ones: the reference loads them whole
-        ref_name = "from_pretrained" if name == "hf.pretrained" else name
-        loss_fn = l2_loss if kind == "l2" else real_loss
+        ref_name, loss_fn = _reference_of(name, kind)
         if (ref_name, loss_fn) not in refs:
             refs[(ref_name, loss_fn)] = reference_run(_models(saved_gpt2)[ref_name], loss_fn, ref_adamw, batches)
         ref = refs[(ref_name, loss_fn)]
+        ddp = runs[(world, ("ddp", ref_name, kind == "l2"))]
         try:
-            assert_parity(ref, results, params)
+            assert_parity(ref, results, params, ddp=ddp)
         except AssertionError as e:
             raise AssertionError(f"{name} ({kind}), stage {stage}, {world} workers: {e}") from None
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(global_losses(results), ref[0]))
-        param_err = max((params[k].reshape(v.shape) - v).abs().max().item() for k, v in ref[2].items()
-                        if v.is_floating_point())
-        table.append(f"{name:16s} {kind:11s} stage {stage}  loss rel {loss_err:.1e}  params abs {param_err:.1e}")
+        floats = [k for k, v in ref[2].items() if v.is_floating_point()]
+        pairs = ((params, ref[2]), (ddp_state(ddp), ref[2]), (params, ddp_state(ddp)))
+        param_err, ddp_err, apart = (max((x[k].reshape(ref[2][k].shape) - y[k]).abs().max().item() for k in floats)
+                                     for x, y in pairs)
+        table.append(f"{name:16s} {kind:11s} stage {stage}  loss rel {loss_err:.1e}  params abs {param_err:.1e}"
+                     f"  (DDP {ddp_err:.1e}, zeroray - DDP {apart:.1e})")
     print(f"\n{world} workers, {STEPS} AdamW steps:\n  " + "\n  ".join(table))
 
 

@@ -14,7 +14,10 @@ rows, ``n_p / N``. Two oracles, both single-process PyTorch:
 
 Each test also checks that its oracle is told apart from the nearest wrong one (the plain mean
 of the parts' losses; the whole batch's per-token mean), so a weighting left out would fail.
-Everything runs in one set of 3 processes.
+The token cases' bound is DDP's (tests/dist/ddp_run.py: torch DDP on the same rows and row
+weights, written from the rule, not from zeroray's code), as [Note: parity bound] in
+tests/dist/parity.py says why; the row cases keep its fixed floor. Everything runs in one set
+of 3 processes.
 """
 import functools
 
@@ -22,8 +25,9 @@ import pytest
 import torch
 
 import zeroray as zr
+from tests.dist.ddp_run import ddp_spec, fused_adamw
 from tests.dist.harness import run_engine_table
-from tests.dist.test_engine_parity import assert_parity, global_losses
+from tests.dist.parity import assert_parity, ddp_state, global_losses
 from tests.models import lm_loss, make_batches, parity_model, reference_run
 from tests.padded_data import hf_loss, padded_batches
 from tests.real_models import hf_gpt2
@@ -67,6 +71,10 @@ def runs():
         table[("token", name)] = (world, dict(model_fn=hf_gpt2, loss_fn=hf_loss, optimizer=zr.AdamW(**HF_ADAMW),
                                               zero=zr.ZeroConfig(stage=stage, grad_accum_steps=accum),
                                               batches=token_batches()))
+    for world, accum in {(world, accum) for world, _, accum in TOKEN_CASES.values()}:
+        table[("ddp", world, accum)] = (world, ddp_spec(model_fn=hf_gpt2, loss_fn=hf_loss,
+                                                        optimizer=fused_adamw(**HF_ADAMW), accum=accum,
+                                                        batches=token_batches()))
     return run_engine_table(table)
 
 
@@ -78,12 +86,13 @@ def _parts(batch, world, accum):
 @functools.lru_cache(maxsize=None)
 def token_reference(world, accum, weighted=True):
     """Single-process PyTorch on ``token_batches()``: per step, ``sum_p n_p / N * hf_loss(part_p)``
-    (``weighted=False``: the plain mean over the parts, what an equal split would give)."""
+    (``weighted=False``: the plain mean over the parts, what an equal split would give):
+    (losses, global gradient norms, state dict)."""
     batches = token_batches()
     torch.manual_seed(0)
     model = hf_gpt2()
     opt = torch.optim.AdamW(model.parameters(), **HF_ADAMW)
-    losses = []
+    losses, norms = [], []
     for batch in batches:
         opt.zero_grad()
         parts = _parts(batch, world, accum)
@@ -93,9 +102,10 @@ def token_reference(world, accum, weighted=True):
         else:
             loss = sum(hf_loss(model, p) for p in parts) / len(parts)
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
         opt.step()
         losses.append(loss.item())
-    return losses, None, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,10 +153,13 @@ def test_per_token_mean_is_the_row_weighted_mean_of_the_parts(runs, name):
     assert all((b["labels"] == -100).any() for b in token_batches())  # padding, masked in the labels
     ref = token_reference(world, accum)
     results, params = runs[("token", name)]
+    ddp = runs[("ddp", world, accum)]
     trained = {k: v for k, v in ref[2].items() if k in params}
-    assert_parity((ref[0], None, trained), results, params)
+    assert_parity((ref[0], ref[1], trained), results, params, ddp=ddp)
     plain = token_reference(world, accum, weighted=False)[2]
     whole = token_reference(1, 1)[2]  # the global per-token mean
     assert _max_diff(params, plain) > 1e-3 and _max_diff(params, whole) > 1e-3
-    print(f"{name}: max |weight - oracle| {_max_diff(params, trained):.1e} (plain mean of the parts "
+    print(f"{name}: max |weight - oracle| {_max_diff(params, trained):.1e} (DDP's "
+          f"{_max_diff(ddp_state(ddp), trained):.1e}, zeroray - DDP {_max_diff(params, ddp_state(ddp)):.1e}; "
+          f"plain mean of the parts "
           f"{_max_diff(params, plain):.1e}, whole batch's token mean {_max_diff(params, whole):.1e})")

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zeroray as zr
 from tests.dist.harness import record_failure, run_engine_table, run_engines, spawn_ranks
-from tests.dist.test_engine_parity import assert_parity, global_losses
+from tests.dist.parity import assert_parity, global_losses, param_bound, within
 from tests.experts import expert_batches, experts_model, unused_in
 from tests.models import lm_loss
 from zeroray.comm.port import free_port
@@ -228,5 +228,5 @@ def test_equals_torch_ddp_with_find_unused_parameters(engine_runs):
     for name, want in ddp[0]["state"].items():
         err = (params[name].reshape(want.shape) - want).abs().max().item()
         worst = max(worst, err)
-        assert err <= 1e-5, f"{name}: max abs diff {err} from DDP"
+        within(f"{name}: max abs diff from DDP", err, *param_bound(want, None))
     print(f"zeroray stage 3 vs torch DDP, 2 ranks: max param diff {worst:.2e}")

@@ -34,6 +34,7 @@ import pytest
 import zeroray as zr
 from examples import gpt
 from tests.local_cluster import LocalCluster
+from tests.readme_commands import ways_to_run
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("tune_driver.py")
@@ -47,11 +48,8 @@ pytestmark = [
 
 
 def readme_commands() -> dict:
-    """The README's Tune commands, by scheduler: the lines of the section's shell block."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### Hyperparameter sweeps with Ray Tune", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    """The README's Tune commands, by scheduler, as written there (tests/readme_commands.py)."""
+    lines = [c.split("#", 1)[0].strip() for c in ways_to_run()["Hyperparameter sweeps with Ray Tune"]]
     commands = [shlex.split(line) for line in lines if line.startswith("python examples/tune_lr.py")]
     return {("pbt" if "pbt" in c else "asha"): c[2:] for c in commands}
 

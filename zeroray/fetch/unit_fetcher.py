@@ -30,12 +30,34 @@ every rank whether the ranks agreed (the new trace is adopted) or diverged (the 
 kept, and such steps negotiate again). Without independent channels (NCCL) a rank cannot
 leave the plan safely: it publishes the exit and raises ``UnrecoverableDivergence``; the
 others see the exit while they wait (``poll``) and raise too.
+
+[Note: answering rounds outside zeroray]
+The waiter's poll answers a peer only while this rank waits inside zeroray. The user's code
+may block elsewhere: a collective of its own on torch.distributed's default group (a metric's
+``dist.all_reduce`` in ``loss_fn``, a SyncBatchNorm in the model: [Note: torch.distributed in
+user code] in comm/user_group.py). When the ranks run different modules (a negotiated
+micro-batch, or one a peer left the plan in), a rank that has one more unit to fetch waits in
+a round for a peer that already sits in that collective, and the peer waits there for it:
+both block until the collective timeout. zeroray cannot see such a call (it is torch's, on
+torch's own group), so it answers for the rank instead: while a micro-batch's forward or
+backward is open on several ranks over independent channels, a helper thread (``_Answerer``)
+calls ``poll`` every ``interval_s`` whenever the compute thread is outside the coordinator.
+A lock makes the two exclusive: every entry into the coordinator (hooks, parameter reads,
+saved tensors, the lifecycle, ``poll`` itself) takes it, and the helper only tries it, so it
+acts exactly where the compute thread could have been waiting, in user code, with the same
+effect as a poll there. It only ever joins rounds (needing nothing), finishes an earlier
+micro-batch's rounds, and leaves the plan (dry gathers), none of which changes a unit this
+rank's code reads. An error in it (a peer died) is raised by the compute thread's next
+entry. Over NCCL there are no rounds to answer, and a single rank has no peer.
 """
 from __future__ import annotations
 
 import enum
+import functools
 import logging
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -84,6 +106,45 @@ def _divergence(who: str, why: str) -> UnrecoverableDivergence:
         "fetches in the middle of a step. Make forward's control flow the same on every worker, or use stage 0-2.")
 
 
+def _exclusive(method: Callable) -> Callable:
+    """An entry into the coordinator: holds its lock against the helper thread that answers
+    rounds for user code (see [Note: answering rounds outside zeroray])."""
+
+    @functools.wraps(method)
+    def entry(self, *args, **kwargs):
+        with self._lock:
+            error, self._answer_error = self._answer_error, None
+            if error is not None:
+                raise error
+            return method(self, *args, **kwargs)
+    return entry
+
+
+class _Answerer:
+    """The helper thread of [Note: answering rounds outside zeroray]. It holds the fetcher only
+    weakly, and stops when the fetcher is removed or collected."""
+
+    def __init__(self, fetcher: "UnitFetcher", interval_s: float) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(weakref.ref(fetcher), interval_s),
+                                       name="zeroray-stage3-answerer", daemon=True)
+        self.thread.start()
+
+    def _run(self, ref: "weakref.ref[UnitFetcher]", interval_s: float) -> None:
+        while not self.stop.wait(interval_s):
+            fetcher = ref()
+            if fetcher is None:
+                return
+            fetcher.answer_for_user_code()
+            del fetcher
+
+    def close(self) -> None:
+        """Stop after the poll in progress, if any, without waiting for it: a round it is in may
+        only end at the collective timeout where the group broke (the fetcher is being
+        discarded then)."""
+        self.stop.set()
+
+
 class UnitFetcher(Coordinator):
     """Hooks, events and the stage-3 fetch protocol of one engine; see the module docstring.
 
@@ -121,6 +182,10 @@ class UnitFetcher(Coordinator):
         self._reset_stats()
         self._hooks = ModuleHooks(hooked, self.enter, self.exit)
         self.access = ParameterAccess(params, {n: self.layout.slots[n].unit for n in params}, self.on_access)
+        self._lock = threading.RLock()  # every entry: [Note: answering rounds outside zeroray]
+        self._answer_error: Optional[BaseException] = None
+        self._answerer = _Answerer(self, waiter.interval_s) \
+            if group.world_size > 1 and group.independent_channels and waiter.blocking_waits else None
         self.access.install()  # before any user callback may read a parameter
         waiter.poll = self.poll
 
@@ -130,6 +195,7 @@ class UnitFetcher(Coordinator):
         self.stats = {"fetches": 0, "prefetch_hits": 0, "on_demand": 0, "peak_gathered_bytes": 0,
                       "fetch_wait_s": 0.0, "rounds": 0, "plan_exits": 0}
 
+    @_exclusive
     def begin_step(self) -> None:
         super().begin_step()
         self.call += 1
@@ -142,6 +208,7 @@ class UnitFetcher(Coordinator):
         self._holds = Holds()
         self._pos = self._issued = 0
 
+    @_exclusive
     def begin_micro_batch(self, micro_batch: int) -> None:
         super().begin_micro_batch(micro_batch)
         self._begin(MicroBatchRecord())
@@ -153,10 +220,12 @@ class UnitFetcher(Coordinator):
             self.records[-1].exited = True
             self.on_negotiate()
 
+    @_exclusive
     def begin_backward(self) -> None:
         super().begin_backward()
         self._event(EventKind.BACKWARD_START, 0)
 
+    @_exclusive
     def finish_backward(self) -> None:
         """Before the micro-batch's reductions are waited for: complete the fetch protocol."""
         self._launch_before_done()
@@ -168,6 +237,7 @@ class UnitFetcher(Coordinator):
         if self.mode is FetchMode.NEGOTIATE:
             self._finish_rounds(self.micro_batch)
 
+    @_exclusive
     def abort_micro_batch(self, micro_batch: int) -> None:
         """This rank stops computing ``micro_batch`` (its code raised, in it or before it began):
         take part in every gather its peers still expect of it, and in their rounds."""
@@ -190,6 +260,7 @@ class UnitFetcher(Coordinator):
         done: a deadlock (found by the issue-24 fuzzer; tests/dist/test_negotiated_small_buckets.py)."""
         self.before_done_rounds()
 
+    @_exclusive
     def end_micro_batch(self) -> None:
         """After the micro-batch's reductions: every gather finished, every unit freed."""
         super().end_micro_batch()
@@ -204,11 +275,13 @@ class UnitFetcher(Coordinator):
         self.gatherer.release_discard()
         self._holds = Holds()
 
+    @_exclusive
     def status(self) -> Tuple[float, float, float]:
         """(left the plan, events, digest) of the last micro-batch, for the step's status all-reduce."""
         record = self.records[-1] if self.records else MicroBatchRecord()
         return float(any(r.exited for r in self.records)), float(len(record.events)), float(digest(record.events))
 
+    @_exclusive
     def end_step(self, failed: bool, any_exit: bool, agreed: bool) -> None:
         """After the status all-reduce: adopt the recorded sequence when every rank recorded the same."""
         super().end_step(failed, any_exit, agreed)
@@ -234,6 +307,7 @@ class UnitFetcher(Coordinator):
 
     # --- an inference call (called by the engine): see [Note: inference calls] in engine/inference.py --
 
+    @_exclusive
     def begin_inference(self) -> None:
         """Before ``evaluate``/``run`` computes: negotiate every fetch under a call id of its own,
         so its rounds never meet a step's. Nothing it records becomes a trace, and
@@ -244,6 +318,7 @@ class UnitFetcher(Coordinator):
         self._begin(MicroBatchRecord(exited=True))
         self.mode = FetchMode.NEGOTIATE
 
+    @_exclusive
     def end_inference(self) -> None:
         """After ``evaluate``/``run`` computed (or raised): answer rounds until every rank is done,
         then free every unit; the rounds' signals are cleared and the coordinator is IDLE again.
@@ -259,6 +334,7 @@ class UnitFetcher(Coordinator):
             super().end_inference()
             self.records = []
 
+    @_exclusive
     def flush(self) -> None:
         """Finish every gather still in flight (none between steps, where every unit is freed)."""
         for u in self.units.holding():
@@ -266,14 +342,17 @@ class UnitFetcher(Coordinator):
 
     # --- events ----------------------------------------------------------------------------
 
+    @_exclusive
     def enter(self, index: int) -> None:
         if self.phase is not Phase.IDLE:
             self._event(EventKind.FORWARD, index)
 
+    @_exclusive
     def exit(self, index: int) -> None:
         if self.phase is not Phase.IDLE:
             self._event(EventKind.END, index)
 
+    @_exclusive
     def enter_module(self, module: torch.nn.Module) -> bool:
         """Recomputation under activation checkpointing: the checkpointed module's own hooks do
         not fire, so its units are fetched here (an event like its pre-hook); True if hooked."""
@@ -283,9 +362,11 @@ class UnitFetcher(Coordinator):
         self.enter(index)
         return True
 
+    @_exclusive
     def exit_module(self, module: torch.nn.Module) -> None:
         self.exit(self._hooks.index(module))
 
+    @_exclusive
     def on_access(self, name: str, unit: int) -> None:
         """A parameter of ``unit`` is about to be read; see [Note: parameter access]."""
         state = self.units[unit].state
@@ -307,6 +388,7 @@ class UnitFetcher(Coordinator):
         elif state is UnitState.GATHERING:
             self.units.wait(unit, self.wait)
 
+    @_exclusive
     def on_backward_use(self, unit: int) -> None:
         """A saved view of ``unit`` is being unpacked by autograd."""
         events = self.records[-1].events if self.records else []
@@ -317,6 +399,7 @@ class UnitFetcher(Coordinator):
             self.stats["prefetch_hits"] += 1
             self.units.wait(unit, self.wait)
 
+    @_exclusive
     def on_grads_done(self, unit: int) -> None:
         """All gradients of ``unit`` reached the reducer: its parameters are no longer needed."""
         if self.phase is not Phase.IDLE and self._holds.count(unit) == 0:
@@ -464,6 +547,7 @@ class UnitFetcher(Coordinator):
                 record.exited = True
                 self._finish_rounds(m)
 
+    @_exclusive
     def poll(self) -> None:
         """Called between slices of a blocking wait: join any plan exit a peer announced."""
         if self.phase is Phase.IDLE or not self.records:
@@ -485,6 +569,19 @@ class UnitFetcher(Coordinator):
                 self._finish_rounds(self.micro_batch)
             else:
                 self.negotiator.join(self.call, self.micro_batch)
+
+    def answer_for_user_code(self) -> None:
+        """On the helper thread: ``poll`` for the compute thread while it is in user code, in a
+        micro-batch's forward or backward; see [Note: answering rounds outside zeroray]."""
+        if self.phase not in (Phase.FORWARD, Phase.BACKWARD) or not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self.phase in (Phase.FORWARD, Phase.BACKWARD) and self._answer_error is None:
+                self.poll()
+        except BaseException as e:  # raised by the compute thread's next entry
+            self._answer_error = e
+        finally:
+            self._lock.release()
 
     # --- saved tensors (its UnitEvents, with on_grads_done and enter_module/exit_module) ----
 
@@ -522,6 +619,8 @@ class UnitFetcher(Coordinator):
 
     def remove(self) -> None:
         """Unhook the modules, stop polling, and give the parameters their plain class back."""
+        if self._answerer is not None:
+            self._answerer.close()
         self._hooks.remove()
         self.wait.poll = None
         self.access.remove()
