@@ -14,7 +14,9 @@ Order without a barrier: the snapshot call is numbered right after the step it c
 ([Note: one engine call at a time] in worker/sequencer.py), with ``after_ok``, so it runs after that
 step and before the next one, which fit has already queued, and only if the step succeeded;
 the next step is ``after_ok`` behind the snapshot. fit's pipeline is not broken: the copy
-runs on the workers beside the next step ([Note: overlapped snapshot copy]
+runs on the workers beside the next step ([Note: overlapped snapshot copy]).
+
+[Note: overlapped snapshot copy]
 The snapshot call's turn between two steps is short: it captures only what the next step's
 forward and backward may change (the random generator, rank 0's buffers) and the step count,
 then ends, and the next step starts. The call goes on, outside the turn, exporting the state
