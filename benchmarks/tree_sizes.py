@@ -1,6 +1,8 @@
 """Files and lines per package of a tree's ``zeroray/runtime/`` (or another package), and its largest
 classes and functions, each measured as ``end_lineno - lineno + 1`` of its AST node (docstring and
-comments included). docs/architecture.md ("Inside runtime/") quotes it.
+comments included). A class counts with its bases from the same package (a mixin's lines are the
+class's: ``class A(B, C)`` is A's lines plus B's and C's, each with its own bases), so splitting a
+class into mixins does not make it smaller here. docs/architecture.md ("Inside runtime/") quotes it.
 
     python benchmarks/tree_sizes.py                    # this tree's zeroray/runtime
     python benchmarks/tree_sizes.py /other/tree zeroray/engine
@@ -19,6 +21,7 @@ def measure(root: Path, package: str) -> Tuple[Dict[str, Tuple[int, int]], List[
     base = root / package
     per: Dict[str, Tuple[int, int]] = {}
     items: List[Tuple[int, str, str]] = []
+    classes: Dict[str, List[Tuple[int, List[str], str]]] = {}  # name -> (own lines, base names, where)
     for path in sorted(base.rglob("*.py")):
         rel = path.relative_to(base)
         key = str(rel.parent) if str(rel.parent) != "." else "(top)"
@@ -26,9 +29,24 @@ def measure(root: Path, package: str) -> Tuple[Dict[str, Tuple[int, int]], List[
         files, lines = per.get(key, (0, 0))
         per[key] = (files + 1, lines + len(text.splitlines()))
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                kind = "Class" if isinstance(node, ast.ClassDef) else "Function"
-                items.append((node.end_lineno - node.lineno + 1, kind, f"{rel}:{node.name}"))
+            size = node.end_lineno - node.lineno + 1 if hasattr(node, "end_lineno") else 0
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                         if isinstance(b, (ast.Name, ast.Attribute))]
+                classes.setdefault(node.name, []).append((size, bases, f"{rel}:{node.name}"))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                items.append((size, "Function", f"{rel}:{node.name}"))
+
+    def with_bases(name: str, seen: frozenset) -> int:
+        """A class's lines and its package bases' (a name defined twice in the package counts its largest)."""
+        if name not in classes or name in seen:
+            return 0
+        return max(size + sum(with_bases(b, seen | {name}) for b in bases) for size, bases, _ in classes[name])
+
+    for name, defs in classes.items():
+        for size, bases, where in defs:
+            total = size + sum(with_bases(b, frozenset({name})) for b in bases)
+            items.append((total, "Class", where + (f" ({size} own)" if total != size else "")))
     return per, items
 
 

@@ -13,7 +13,7 @@ from zeroray.checkpoint import (CheckpointError, Manifest, ManifestFields, commi
 from zeroray.layout.arena import FlatLayout
 from zeroray.engine.step_result import StepStats
 from zeroray.runtime.records import Hops, SetupInfo, SplitInfo, StepRecord, WorkerSpec
-from zeroray.runtime.execution.step import PendingStep
+from zeroray.runtime.execution.pipeline import PendingStep
 from tests.unit.test_checkpoint_store import UNITS, shard_of, write_all
 
 # manifest.json as the release before typed manifests wrote it (write_all(root, 3, world_size=2),

@@ -62,7 +62,7 @@ node before the copy arrived) lose the shard: the fallback is the disk checkpoin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 from zeroray.checkpoint import plan
 from zeroray.layout.arena import FlatLayout
@@ -96,31 +96,3 @@ def needed_ranks(old_layout: FlatLayout, target: Tuple[FlatLayout, int], whole_p
         old_owner = param_owners(old_layout)
         ranks.update(old_owner[name] for name in owned_by(new_layout, rank))
     return sorted(ranks)
-
-
-def buddies(node_ids: List[str]) -> List[Optional[int]]:
-    """Per rank, its buddy ([Note: buddy copies]): the first rank after it (cyclically) whose
-    worker runs on another node; None where every other rank shares its node."""
-    n = len(node_ids)
-    return [next(((r + k) % n for k in range(1, n) if node_ids[(r + k) % n] != node_ids[r]), None)
-            for r in range(n)]
-
-
-class SnapshotKeeper:
-    """The complete snapshot of a fit, if any; see [Note: in-memory snapshots]."""
-
-    def __init__(self, every: Optional[int]) -> None:
-        self.every = every
-        self.complete: Optional[Snapshot] = None
-
-    def due(self, step: int) -> bool:
-        """Whether the step that ends at step count ``step`` is followed by a snapshot."""
-        return bool(self.every) and step % self.every == 0
-
-    def promote(self, snapshot: Snapshot, step: int, data_position: int) -> None:
-        """``snapshot`` (its records were waited for) is the complete one; the one before is released."""
-        snapshot.step, snapshot.data_position = step, data_position
-        self.complete = snapshot  # the old one's refs go with it: Ray frees its objects
-
-    def drop(self) -> None:
-        self.complete = None

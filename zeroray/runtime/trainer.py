@@ -103,7 +103,7 @@ class Trainer:
             spec = WorkerSpec(zero=self.zero, **self._spec)
             self._controller = Controller(spec, self._scaling, self.zero, spares=self.failure.spares)
             if self._restore_choice is not None:
-                self._controller.restore_choice = self._restore_choice
+                self._controller.checkpoints.restore_choice = self._restore_choice
             # Garbage collection of the Trainer releases its actors and placement group.
             self._finalizer = weakref.finalize(self, self._controller.slot.release)
             atexit.register(self._finalizer)  # before ray.shutdown at exit: [Note: releasing at exit]
@@ -160,13 +160,13 @@ class Trainer:
     @property
     def last_recovery_s(self) -> Optional[float]:
         """fit: seconds from the last worker failure to resuming."""
-        return self.controller.last_recovery_s
+        return self.controller.recovery.last_recovery_s
 
     @property
     def recoveries(self) -> List[RecoveryRecord]:
         """fit: one record per recovery after a worker failure (cause, timings, step, size, mode);
         read as ``rec.mode`` or ``rec["mode"]`` ([Note: records read as mappings] in records.py)."""
-        return self.controller.recoveries
+        return self.controller.recovery.recoveries
 
     @property
     def layout(self) -> FlatLayout:
@@ -259,7 +259,7 @@ class Trainer:
             ship_by_value(metric_fn)
         data = self._start_for(data, batch_size)
         metrics = self.controller.evaluate(data, metric_fn, batch_size)
-        hooks.evaluation(self.controller.step_count, metrics)
+        hooks.emit("evaluation", self.controller.step_count, metrics)
         return metrics
 
     def run(self, fn: Callable, *args: Any) -> Any:

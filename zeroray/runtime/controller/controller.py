@@ -17,12 +17,15 @@ through ``self.states``), close and recovery included. A call that its state doe
 callback, anything after ``close``) is a ``RuntimeError`` that says what the trainer is doing.
 The failure and scaling policies (controller/policy.py) return decisions to ``recover``, which acts on
 them. Every step goes through its ``StepPipeline`` ([Note: one step pipeline] in execution/pipeline.py):
-``step`` sends one and collects it; ``fit`` (fit/loop.py) and Ray Data input (fit/data.py) keep
-steps in flight through ``controller.pipeline`` while the Trainer is FITTING.
+``step`` sends one and collects it; ``fit`` (fit/loop.py) runs its steps, Ray Data input
+(fit/data.py) included, through ``controller.pipeline.run`` while the Trainer is FITTING.
 
 The Controller owns its state: the position (the step count, and the data position: a step
 collected while FITTING consumed one global batch of fit's data; ``begin_fit``, ``load``,
-recovery and ``seek`` set it, the pipeline advances it), the last checkpoint, the group.
+recovery and ``seek`` set it, the pipeline advances it), the group and the scaling. Its
+collaborators own theirs, each the only writer: ``Checkpoints`` (controller/checkpointing.py) the
+last checkpoint and the restore choice, ``Recovery`` (controller/recovery.py) a fit's failures and
+the record of its recoveries, ``Resizing`` (controller/resize.py) nothing beyond one resize.
 """
 from __future__ import annotations
 
@@ -35,22 +38,19 @@ import torch
 from zeroray.layout.arena import FlatLayout
 from zeroray.config import FailureConfig, ScalingConfig, ZeroConfig
 from zeroray.runtime.code_shipping import ship_by_value
-from zeroray.runtime.controller.checkpointing import Checkpointing
-from zeroray.runtime.controller.optimizer_restore import RestoreChoice
-from zeroray.runtime.controller.policy import FailurePolicy, ScalingPolicy
+from zeroray.runtime.controller.checkpointing import Checkpoints
 from zeroray.runtime.controller.recovery import Recovery
 from zeroray.runtime.controller.resize import Resizing
-from zeroray.runtime.execution.pipeline import GroupSlot, Position, StepPipeline
+from zeroray.runtime.execution.pipeline import GroupSlot, Position, SnapshotKeeper, StepPipeline
 from zeroray.runtime.execution.step import StepResult
-from zeroray.runtime.records import RecoveryRecord, WorkerSpec
-from zeroray.runtime.snapshot import SnapshotKeeper
+from zeroray.runtime.records import WorkerSpec
 from zeroray.runtime.trainer_state import StateMachine, TrainerState
 from zeroray.runtime.worker_group.group import WorkerGroup
 
 log = logging.getLogger("zeroray")
 
 
-class Controller(Recovery, Checkpointing, Resizing):
+class Controller:
     """Owns the worker group, the step count, the data position and the last checkpoint; every
     change of what the trainer is doing goes through one of its methods ([Note: trainer states])."""
 
@@ -61,17 +61,9 @@ class Controller(Recovery, Checkpointing, Resizing):
         self.states = StateMachine()              # what the trainer is doing: its only writer
         self.position = Position()                 # the step count and fit's data position
         self.pipeline = StepPipeline(self.slot, zero, self.states, self.position)  # the steps in flight
-        self.last_checkpoint: Optional[str] = None
-        self.last_checkpoint_step: Optional[int] = None  # the step last_checkpoint holds
-        self.last_recovery_s: Optional[float] = None  # fit: seconds from a worker failure to resuming
-        self.recoveries: List[RecoveryRecord] = []    # fit: one record per restart (cause, timing, size)
-        self._fit_origin = (0, 0)                  # (step_count, data_position) where this fit began
-        self.policies: Tuple[FailurePolicy, ScalingPolicy] = (FailurePolicy(0), ScalingPolicy(
-            scaling.num_workers, scaling.min_workers, scaling.cpus_per_worker, scaling.use_gpu))  # fit's
-        # what the optimizer was built from and which of it was given: Trainer.restore's choice,
-        # which every load of a checkpoint follows ([Note: restoring the optimizer] in controller/optimizer_restore.py)
-        self.restore_choice = RestoreChoice(spec.optimizer, spec.param_groups, spec.scheduler)
-        self._fresh_at: Optional[str] = None       # the checkpoint a fresh_optimizer restore started from
+        self.checkpoints = Checkpoints(self.slot, self.position, self.states, spec)
+        self.recovery = Recovery(spec, self.pipeline, self.checkpoints, self._start, self._adopt, self._drop_broken)
+        self.resizing = Resizing(spec, spares, self.pipeline, self._adopt)
         ship_by_value(spec)  # before the first actor: [Note: shipping model code]
         self._start(scaling.num_workers)
 
@@ -101,12 +93,20 @@ class Controller(Recovery, Checkpointing, Resizing):
     def num_workers(self) -> int:
         return self.group.num_workers
 
+    @property
+    def last_checkpoint(self) -> Optional[str]:
+        return self.checkpoints.last
+
+    @property
+    def last_checkpoint_step(self) -> Optional[int]:
+        return self.checkpoints.last_step
+
     def _start(self, num_workers: int) -> None:
         self._adopt(WorkerGroup(self.spec, num_workers, self.scaling, spares=self.spares))
 
     def _adopt(self, group: WorkerGroup) -> None:
         self.slot.group = group
-        group.keep_survivors = self._replaceable()
+        group.keep_survivors = self.recovery.replaceable()
         info = group.setup_info[0]
         self.layout: FlatLayout = info.layout
         self.state_dict_keys: List[str] = list(info.state_dict_keys)
@@ -146,13 +146,6 @@ class Controller(Recovery, Checkpointing, Resizing):
             return self.pipeline.evaluate(data, metric_fn, dataset_batch_size)
         finally:
             self.states.leave(TrainerState.EVALUATING)
-
-    def evaluate_in_fit(self, data: Any, metric_fn: Optional[Callable],
-                        dataset_batch_size: Optional[int]) -> Dict[str, float]:
-        """fit's evaluation, between complete steps: FITTING, with no step in flight."""
-        if self.state is not TrainerState.FITTING:
-            raise RuntimeError(f"fit evaluates while the Trainer is fitting, not {self.state.value}: a zeroray bug")
-        return self.pipeline.evaluate(data, metric_fn, dataset_batch_size)
 
     def run(self, fn: Callable, args: Tuple[Any, ...]) -> Any:
         """IDLE -> RUNNING -> IDLE: see Trainer.run."""
@@ -212,33 +205,48 @@ class Controller(Recovery, Checkpointing, Resizing):
 
     # --- fit -------------------------------------------------------------------------------
 
-    def begin_fit(self, skip: Optional[int], failure: FailureConfig) -> None:
+    def begin_fit(self, skip: Optional[int], failure: FailureConfig) -> Tuple[int, int]:
         """IDLE -> FITTING: the fit's data starts at ``skip`` (default: the current data position);
         every ``failure.snapshot_every`` steps an in-memory snapshot ([Note: in-memory snapshots]);
-        this fit's failure and scaling policies, which ``recover`` asks."""
+        ``failure`` is what ``recover`` acts on. Returns where the fit begins: (step count, data position)."""
         self.states.enter(TrainerState.FITTING)
-        self.pipeline.snapshots = SnapshotKeeper(failure.snapshot_every)
-        self.policies = (FailurePolicy(failure.max_failures),
-                         ScalingPolicy(self.scaling.num_workers, self.scaling.min_workers,
-                                       self.scaling.cpus_per_worker, self.scaling.use_gpu))
-        self.group.keep_survivors = self._replaceable()
-        self.position.set(data_position=skip)
-        self._fit_origin = (self.step_count, self.data_position)
+        self.pipeline.begin(failure.snapshot_every, skip)
+        origin = (self.position.step_count, self.position.data_position)
+        self.recovery.begin(failure, origin)
+        return origin
 
-    def end_fit(self) -> None:
-        """FITTING -> IDLE (also after fit raised). The snapshot is released: it serves this fit only."""
-        self.snapshots.drop()
+    def recover(self, error: BaseException, note: Callable[[str], None]) -> None:
+        """FITTING -> RECOVERING -> FITTING, or the error raised: see ``Recovery.recover``."""
+        self.recovery.recover(error, note, self.scaling)
+
+    def end_fit(self) -> int:
+        """FITTING -> IDLE (also after fit raised); returns the step count the fit ends at. The
+        snapshot is released: it serves this fit only."""
+        self.pipeline.snapshots = SnapshotKeeper(None)
         self._drop_broken()
         if self.slot.group is not None:
             self.slot.group.keep_survivors = False
         self.states.leave(TrainerState.FITTING)
-
-    def _replaceable(self) -> bool:
-        """A failure keeps the survivors for a replacement: a fit with in-memory snapshots runs."""
-        return self.state in (TrainerState.FITTING, TrainerState.RECOVERING) and bool(self.snapshots.every)
+        return self.position.step_count
 
     def _drop_broken(self) -> None:
         """Kill the survivors a failed group kept, when no replacement follows."""
         group = self.slot.group
         if group is not None and group.failed is not None and group.actors:
             group.shutdown()
+
+    # --- checkpoints and resize: the collaborators' (controller/checkpointing.py, controller/resize.py) ---
+
+    def save(self, root: Any, keep: Optional[int]) -> Any:
+        """Every worker writes its shard; see ``Checkpoints.save`` and [Note: failed saves]."""
+        return self.checkpoints.save(root, keep)
+
+    def load(self, path: Any) -> None:
+        self.checkpoints.load(path)
+
+    def verify(self, step_dir: Any) -> None:
+        self.checkpoints.verify(step_dir)
+
+    def resize(self, num_workers: int) -> None:
+        """IDLE -> RESIZING -> IDLE: see ``Resizing.resize``."""
+        self.scaling = self.resizing.resize(num_workers, self.scaling)

@@ -1,6 +1,6 @@
 """Failure and scaling policies: small objects that return a decision and do nothing else.
 
-The Controller builds one of each per fit (``begin_fit``) and acts on their decisions
+The Controller builds one of each per fit, at its first failure (``recover``), and acts on their decisions
 (``Controller.recover`` asks the FailurePolicy whether to restart, ``Controller._restart`` asks
 the ScalingPolicy how many workers to restart with, ``Controller._replace`` whether to go on with
 the survivors when no replacement can be placed). The policies are testable without a

@@ -10,8 +10,13 @@ one is cancelled, see worker/sequencer.py); ``collect`` waits for the oldest; wh
 its Ray Data split has run out, the steps behind it are discarded; ``settle`` collects what is
 still in flight when the driver's side is interrupted, so the counts say what the workers
 applied. The snapshot taken right behind a step ([Note: in-memory snapshots] in snapshot.py)
-is sent with it and completed when it is collected. fit's evaluation asks it that nothing is
-in flight, and evaluation batches go through it too, two in flight as steps.
+is sent with it and completed when it is collected. Evaluation batches go through it too, two in
+flight as steps, never beside a step.
+
+fit's own loop over the steps is ``run``: fit (fit/loop.py) hands it the feed and a ``FitPlan``,
+the cadence as data (where to stop, which steps a checkpoint, an evaluation or a callback waits
+for, the save to call, and the one ``report`` through which the progress bar and the callbacks
+hear of each event), so a fit's steps are read in one place, top to bottom.
 
 What a collected step changes is written to the ``Position`` (the step count and the data
 position): by ``collect`` for a step, and by the controller for a load or a recovery, always
@@ -19,20 +24,24 @@ through ``Position``'s methods.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import ray
+import torch
 
 from zeroray.config import ZeroConfig
 from zeroray.engine.batch import batch_size, split_batch
 from zeroray.runtime.batch_transport import PackedBatch
-from zeroray.runtime.data_source import evaluation_batches
-from zeroray.runtime.records import SplitInfo
+from zeroray.runtime.data_source import is_ray_dataset
+from zeroray.runtime.records import SplitInfo, StepRecord
 from zeroray.runtime.worker.sequencer import Cancelled
-from zeroray.runtime.snapshot import Snapshot, SnapshotKeeper
-from zeroray.runtime.execution.step import PendingStep, StepResult
+from zeroray.runtime.snapshot import Snapshot
+from zeroray.runtime.execution.step import StepResult
 from zeroray.runtime.trainer_state import SHUT_DOWN, StateMachine, TrainerState
 from zeroray.runtime.worker_group.group import WorkerGroup
 
@@ -77,6 +86,83 @@ class Position:
             self.data_position = data_position
 
 
+PIPELINE_DEPTH = 2  # fit's steps in flight: the one running and the one queued behind it
+
+
+class SnapshotKeeper:
+    """The complete in-memory snapshot of a fit, if any; see [Note: in-memory snapshots] in snapshot.py."""
+
+    def __init__(self, every: Optional[int]) -> None:
+        self.every = every
+        self.complete: Optional[Snapshot] = None
+
+    def due(self, step: int) -> bool:
+        """Whether the step that ends at step count ``step`` is followed by a snapshot."""
+        return _due(step, self.every)
+
+    def promote(self, snapshot: Snapshot, step: int, data_position: int) -> None:
+        """``snapshot`` (its records were waited for) is the complete one; the one before is released."""
+        snapshot.step, snapshot.data_position = step, data_position
+        self.complete = snapshot  # the old one's refs go with it: Ray frees its objects
+
+    def drop(self) -> None:
+        self.complete = None
+
+
+@dataclass
+class PendingStep:
+    """A step sent to every worker whose results were not collected yet (``StepPipeline.collect``).
+
+    ``refs``: one object ref per worker, rank order. ``tokens``: elements of the largest tensor
+    of the global batch (progress's tokens/s), when known.
+    """
+
+    refs: List[Any]
+    submitted_at: float
+    number: int                  # the step count this step ends at, if it runs
+    tokens: Optional[int] = None
+    snapshot: Optional[Snapshot] = None  # fit: the in-memory snapshot taken right behind it
+
+    @staticmethod
+    def combine(results: List[StepRecord]) -> StepResult:
+        """The StepResult of the workers' per-rank records (rank order): the mean of their losses
+        (each weighted by its rows), rank 0's global values, the slowest engine's time."""
+        r0 = results[0].stats
+        return StepResult(loss=sum(r.stats.loss for r in results) / len(results), grad_norm=r0.grad_norm,
+                          step=r0.step, skipped=r0.skipped, loss_scale=r0.loss_scale,
+                          step_time_s=max(r.stats.time_s for r in results))
+
+
+@dataclass(frozen=True)
+class Feed:
+    """fit's source of steps (built by fit/data.py): the driver's own global batches
+    (``batches``), or, when ``batches`` is None, Ray Data splits attached to the workers as
+    ``feed_id``, each worker stepping on its own split's next batch (``empty``: they hold none)."""
+
+    batches: Optional[Iterator[Any]] = None
+    feed_id: Optional[str] = None
+    tokens: Optional[int] = None  # Ray Data: the tokens of one global batch, when known
+    empty: bool = False
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """What fit's steps stop for, as data (``StepPipeline.run``; [Note: pipelined steps] in fit/loop.py).
+
+    ``report(event, *args)`` tells the progress bar and the callbacks (fit/callbacks.py's
+    ``Callbacks.emit``); ``save()`` writes the checkpoint of the step the trainer is at and returns
+    its path; ``evaluation`` has fit's ``data``, ``every``, ``metric_fn`` and ``dataset_batch_size``
+    (fit/evaluation.py); ``pauses_after(step)`` is a callback's wish to see the workers at ``step``
+    (None when fit has no callback to ask)."""
+
+    report: Callable[..., None]
+    end: Optional[int] = None  # the data position fit stops at; None: where the data ends
+    save_every: Optional[int] = None
+    save: Optional[Callable[[], Any]] = None
+    evaluation: Optional[Any] = None
+    pauses_after: Optional[Callable[[int], bool]] = None
+
+
 class StepPipeline:
     """The steps in flight on a trainer's group; see [Note: one step pipeline]."""
 
@@ -84,20 +170,17 @@ class StepPipeline:
         self.slot, self.zero, self.states, self.position = slot, zero, states, position
         self.in_flight: Deque[PendingStep] = deque()
         self.snapshots = SnapshotKeeper(None)  # fit: the newest in-memory snapshot ([Note: in-memory snapshots])
+        self.evaluated_at: Optional[int] = None  # fit: the step count its last evaluation saw
+
+    def begin(self, snapshot_every: Optional[int], data_position: Optional[int]) -> None:
+        """A fit begins (the controller's ``begin_fit``): its snapshot cadence, the data position it starts at."""
+        self.snapshots = SnapshotKeeper(snapshot_every)
+        self.evaluated_at = None
+        self.position.set(data_position=data_position)
 
     def __len__(self) -> int:
         """Steps sent and not yet collected."""
         return len(self.in_flight)
-
-    @property
-    def last_number(self) -> Optional[int]:
-        """The step count the last step sent ends at, if it runs; None when none is in flight."""
-        return self.in_flight[-1].number if self.in_flight else None
-
-    @property
-    def next_tokens(self) -> Optional[int]:
-        """The tokens of the step ``collect`` waits for next (progress's tokens/s), when known."""
-        return self.in_flight[0].tokens if self.in_flight else None
 
     # --- send ------------------------------------------------------------------------------
 
@@ -107,7 +190,7 @@ class StepPipeline:
         group = self.slot.get()
         rows = self._check_batch(batch, group.num_workers)
         shards = [PackedBatch(s) for s in split_batch(batch, group.num_workers)]  # [Note: batch transport]
-        return self._sent(group.call_each("train_step", [(s, rows) for s in shards], after_ok=bool(self.in_flight)),
+        return self._sent(group.call("train_step", per_rank=[(s, rows) for s in shards], after_ok=bool(self.in_flight)),
                           tokens)
 
     def send_local(self, *, tokens: Optional[int] = None) -> PendingStep:
@@ -118,7 +201,8 @@ class StepPipeline:
     def attach(self, splits: Sequence[Any], local_batch: int, skip: int, feed_id: str) -> List[SplitInfo]:
         """Give worker ``r`` Ray Data split ``r`` to step on (``send_local``), ``skip`` local batches in."""
         group = self.slot.get()
-        return group.wait_all(group.call_each("attach_data", [(split, local_batch, skip, feed_id) for split in splits]),
+        per_rank = [(split, local_batch, skip, feed_id) for split in splits]
+        return group.wait_all(group.call("attach_data", per_rank=per_rank),
                               None, "attach the Ray Data splits")
 
     def detach(self, feed_id: str) -> None:
@@ -201,7 +285,7 @@ class StepPipeline:
                                    f"{[r.step for r in records]}: a zeroray bug")
             self.snapshots.promote(pending.snapshot, result.step, self.position.data_position)
             group.hold_copies(pending.snapshot.shards)  # [Note: buddy copies] in snapshot.py
-        result.timeline = {"submit": pending.submitted_at, **outs[0].hops.as_dict(), "receive": time.time()}
+        result.timeline = {"submit": pending.submitted_at, **dataclasses.asdict(outs[0].hops), "receive": time.time()}
         return result
 
     def discard(self, timeout_s: float = 10.0) -> None:
@@ -224,6 +308,76 @@ class StepPipeline:
                 return
             if result is not None:
                 results.append(result)
+
+    # --- fit's steps ----------------------------------------------------------------------
+
+    def run(self, feed: Feed, plan: FitPlan, results: List[StepResult]) -> None:
+        """fit's steps from ``feed`` until it ends or ``plan.end`` is reached, PIPELINE_DEPTH in
+        flight ([Note: pipelined steps] in fit/loop.py), each collected one appended to ``results``
+        and reported; then fit's last evaluation, unless the last step's ran. Raises what a step
+        raised (fit detaches the feed's splits, recovers, and runs again on a new feed)."""
+        ended = False
+        try:
+            while True:
+                while not ended and len(self.in_flight) < PIPELINE_DEPTH and not self._waits(plan):
+                    ended = not self._send_from(feed)
+                if not self.in_flight:
+                    break
+                tokens = self.in_flight[0].tokens  # each step's own: batches may change shape between steps
+                result = self.collect()  # a failed step discards the ones behind it, then raises
+                if result is None:  # its split had run out: so had every step behind it (discarded)
+                    break
+                results.append(result)  # collect counted its batch: data_position moved on
+                self._after(result, tokens, plan, results)
+            if plan.evaluation is not None and self.evaluated_at != self.position.step_count:
+                self._evaluate_for_fit(plan, results)
+        except BaseException:
+            # The driver's side failed (the data iterator, a save, a callback, Ctrl-C): the steps
+            # already sent count, so step_count and data_position say what the workers applied.
+            self.settle(results)
+            raise
+
+    def _waits(self, plan: FitPlan) -> bool:
+        """Whether nothing more may be sent now: fit's end is in flight, or the last step sent is
+        one that a checkpoint, an evaluation or a callback waits for ([Note: pipelined steps])."""
+        if plan.end is not None and self.position.data_position + len(self.in_flight) >= plan.end:
+            return True
+        if not self.in_flight:
+            return False
+        last = self.in_flight[-1].number
+        return (_due(last, plan.save_every) or (plan.evaluation is not None and _due(last, plan.evaluation.every))
+                or (plan.pauses_after is not None and plan.pauses_after(last)))
+
+    def _send_from(self, feed: Feed) -> bool:
+        """Send the feed's next step; False when it has none."""
+        if feed.batches is None:  # Ray Data: every worker steps on its split's next batch
+            if feed.empty:
+                return False
+            self.send_local(tokens=feed.tokens)
+            return True
+        for batch in feed.batches:
+            self.send(batch, tokens=_tokens(batch))
+            return True
+        return False
+
+    def _after(self, result: StepResult, tokens: Optional[int], plan: FitPlan, results: List[StepResult]) -> None:
+        """A collected step of fit's: the progress bar first, then its checkpoint and evaluation
+        when due (nothing is in flight behind it then), then the callbacks' ``on_step``."""
+        plan.report("collected", result, tokens)
+        if plan.save is not None and _due(result.step, plan.save_every):
+            plan.report("checkpoint", result.step, plan.save())
+        if plan.evaluation is not None and _due(result.step, plan.evaluation.every):
+            self._evaluate_for_fit(plan, results)
+        plan.report("step", result)
+
+    def _evaluate_for_fit(self, plan: FitPlan, results: List[StepResult]) -> None:
+        """fit's evaluation (fit/evaluation.py) of the weights it is at, given to the step it followed."""
+        ev = plan.evaluation
+        metrics = self.evaluate(ev.data, ev.metric_fn, ev.dataset_batch_size)
+        step = self.evaluated_at = self.position.step_count
+        if results and results[-1].step == step:
+            results[-1].evaluation = metrics
+        plan.report("evaluation", step, metrics)
 
     # --- evaluation ([Note: inference calls] in engine/inference.py) ----------------------------
 
@@ -257,7 +411,7 @@ class StepPipeline:
                 counts[key] = counts.get(key, 0) + 1
 
         try:
-            for index, batch in enumerate(evaluation_batches(data, dataset_batch_size)):
+            for index, batch in enumerate(_evaluation_batches(data, dataset_batch_size)):
                 size = batch_size(batch)
                 if size < n:
                     raise ValueError(f"evaluate: batch {index} has {size} rows, fewer than the {n} workers: every "
@@ -265,7 +419,7 @@ class StepPipeline:
                 parts = split_batch(batch, n)
                 rows = [batch_size(p) for p in parts]
                 shards = [PackedBatch(s) for s in parts]  # [Note: batch transport]
-                pending.append((index, rows, group.call_each("evaluate", [(s, metric_ref) for s in shards])))
+                pending.append((index, rows, group.call("evaluate", per_rank=[(s, metric_ref) for s in shards])))
                 if len(pending) == 2:
                     collect(*pending.popleft())
             while pending:
@@ -276,6 +430,38 @@ class StepPipeline:
         if not counts:
             raise ValueError("evaluate: the data held no batches")
         return {key: sums[key] / counts[key] for key in sums}
+
+
+def _due(step: int, every: Optional[int]) -> bool:
+    """Whether a cadence of ``every`` steps (None or 0: never) falls on step count ``step``."""
+    return bool(every) and step % every == 0
+
+
+def _tokens(batch: Any) -> Optional[int]:
+    """Elements of the batch's first tensor (progress's tokens/s), when it has one."""
+    first = batch[0] if isinstance(batch, (list, tuple)) else (
+        next(iter(batch.values())) if isinstance(batch, Mapping) else batch)
+    return int(first.numel()) if isinstance(first, torch.Tensor) else None
+
+
+def _evaluation_batches(data: Any, dataset_batch_size: Optional[int]) -> Iterator[Any]:
+    """The global batches of an evaluation's data: an iterable of them as it is, or a
+    ``ray.data.Dataset`` read on the driver in dicts of ``dataset_batch_size`` rows (the last
+    partial batch dropped, as fit drops it). Evaluation data is small next to training data, so
+    it goes through the driver rather than through per-worker splits."""
+    if is_ray_dataset(data):
+        if not isinstance(dataset_batch_size, int) or isinstance(dataset_batch_size, bool) or dataset_batch_size < 1:
+            raise ValueError("evaluate with a ray.data.Dataset needs batch_size= (the global batch size, in rows, "
+                             f"split over the workers), got {dataset_batch_size!r}")
+        return iter(data.iter_torch_batches(batch_size=dataset_batch_size, drop_last=True))
+    if dataset_batch_size is not None:
+        raise ValueError("evaluate: batch_size= is for a ray.data.Dataset; an iterable of global batches has the "
+                         "sizes of its batches")
+    try:
+        return iter(data)
+    except TypeError:
+        raise ValueError("evaluate needs an iterable of global batches (a list of tensors or of tuples/dicts of "
+                         f"tensors) or a ray.data.Dataset, got {type(data).__name__}") from None
 
 
 def wait_quietly(refs: List[Any], timeout_s: float) -> None:

@@ -1,5 +1,5 @@
-"""fit's data feeds: the driver's own batches (``BatchFeed``), or Ray Data input, where every worker
-pulls its own split of a ``ray.data.Dataset`` (``RayDataFeed``, the driver side).
+"""fit's data feeds (execution/pipeline.py's ``Feed``): the driver's own batches, or Ray Data input,
+where every worker pulls its own split of a ``ray.data.Dataset`` (``ray_data_feed``, the driver side).
 
 ``trainer.fit(dataset, batch_size=GLOBAL)`` cuts the dataset with
 ``dataset.streaming_split(num_workers, equal=True)``, in a fixed order ([Note: Ray Data
@@ -35,15 +35,11 @@ from __future__ import annotations
 import itertools
 import uuid
 import warnings
-from collections.abc import Mapping
-from typing import Any, Optional, Union
-
-import torch
+from typing import Any, Optional
 
 from zeroray.engine.batch import split_sizes
 from zeroray.runtime.data_source import is_ray_dataset
-from zeroray.runtime.execution.pipeline import StepPipeline
-from zeroray.runtime.execution.step import PendingStep
+from zeroray.runtime.execution.pipeline import Feed, StepPipeline
 
 
 def local_batch_size(global_batch_size: Any, num_workers: int, grad_accum_steps: int) -> int:
@@ -84,70 +80,32 @@ def _in_fixed_order(dataset: Any) -> Any:
     return ordered
 
 
-class RayDataFeed:
+def ray_data_feed(pipeline: StepPipeline, dataset: Any, global_batch_size: Optional[int], skip: int,
+                  grad_accum_steps: int) -> Feed:
     """fit's source of steps for a ``ray.data.Dataset``: each worker pulls its own split.
 
     Cuts ``dataset`` with ``streaming_split(num_workers, equal=True)``, in a fixed order, and
     attaches split ``r`` to worker ``r`` of the pipeline's group, skipping ``skip`` local
-    batches ([Note: Ray Data replay]). ``send`` sends one step on every worker's next batch
-    through the pipeline (None once the splits are known to be empty); ``close`` detaches the
-    splits (fit closes the feed when it ends, and on recovery, when the group it was attached
-    to is already gone).
+    batches ([Note: Ray Data replay]). The pipeline then steps every worker on its split's next
+    batch (``send_local``) and detaches the splits when its run ends (on recovery too, when the
+    group they were attached to is already gone).
     """
-
-    def __init__(self, pipeline: StepPipeline, dataset: Any, global_batch_size: Optional[int], skip: int,
-                 grad_accum_steps: int) -> None:
-        num_workers = pipeline.num_workers
-        local = local_batch_size(global_batch_size, num_workers, grad_accum_steps)
-        self.pipeline, self.feed_id = pipeline, uuid.uuid4().hex
-        splits = _in_fixed_order(dataset).streaming_split(num_workers, equal=True)
-        infos = pipeline.attach(splits, local, skip, self.feed_id)  # a SplitInfo per worker
-        self.empty = not all(info.has_next for info in infos)
-        self.tokens = sum(info.tokens for info in infos) or None
-
-    def send(self) -> Optional[PendingStep]:
-        """A step on every worker's next local batch, or None when the splits are empty."""
-        if self.empty:
-            return None
-        return self.pipeline.send_local(tokens=self.tokens)
-
-    def close(self) -> None:
-        self.pipeline.detach(self.feed_id)
+    num_workers = pipeline.num_workers
+    local = local_batch_size(global_batch_size, num_workers, grad_accum_steps)
+    feed_id = uuid.uuid4().hex
+    splits = _in_fixed_order(dataset).streaming_split(num_workers, equal=True)
+    infos = pipeline.attach(splits, local, skip, feed_id)  # a SplitInfo per worker
+    return Feed(feed_id=feed_id, tokens=sum(info.tokens for info in infos) or None,
+                empty=not all(info.has_next for info in infos))
 
 
-class BatchFeed:
-    """fit's source of steps for an iterable of global batches: the driver sends each batch."""
-
-    def __init__(self, pipeline: StepPipeline, data: Any, skip: int) -> None:
-        self.pipeline = pipeline
-        self.batches = itertools.islice(iter(data), skip, None)
-
-    def send(self) -> Optional[PendingStep]:
-        """A step on the next batch, sent through the pipeline; None when the data has ended."""
-        for batch in self.batches:
-            return self.pipeline.send(batch, tokens=_tokens(batch))
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-def _tokens(batch: Any) -> Optional[int]:
-    first = batch[0] if isinstance(batch, (list, tuple)) else (
-        next(iter(batch.values())) if isinstance(batch, Mapping) else batch)
-    return int(first.numel()) if isinstance(first, torch.Tensor) else None
-
-
-Feed = Union[BatchFeed, RayDataFeed]
-
-
-def feed_for(controller: Any, data: Any, batch_size: Optional[int]) -> Feed:
-    """fit's source of steps for ``data`` on the controller's pipeline, from its data position: a
-    Ray Data feed (every worker pulls its own split) or the driver's own batches."""
+def feed_for(pipeline: StepPipeline, data: Any, batch_size: Optional[int]) -> Feed:
+    """fit's source of steps for ``data`` on ``pipeline``, from its data position: a Ray Data feed
+    (every worker pulls its own split) or the driver's own batches, sent by the pipeline one by one."""
+    skip = pipeline.position.data_position
     if is_ray_dataset(data):
-        return RayDataFeed(controller.pipeline, data, batch_size, controller.data_position,
-                           controller.zero.grad_accum_steps)
-    return BatchFeed(controller.pipeline, data, controller.data_position)
+        return ray_data_feed(pipeline, data, batch_size, skip, pipeline.zero.grad_accum_steps)
+    return Feed(batches=itertools.islice(iter(data), skip, None))
 
 
 def replayable(data: Any) -> bool:

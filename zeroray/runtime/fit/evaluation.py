@@ -1,21 +1,18 @@
 """fit's evaluations: ``evaluate(eval_data)`` every ``eval_every`` steps and once at the end.
 
-An evaluation runs only between complete steps: the fit loop sends no step behind one that
-an evaluation follows, and collects that step first (as for a checkpoint, [Note: pipelined
-steps] in fit/loop.py), so the evaluation sees exactly the weights of the step it reports.
-Its values go where the steps' go: the progress bar or log lines, the metrics file (one
-record ``{"step", "eval_loss", "eval_<metric>", "time"}``) and the ``evaluation`` of the
+``FitEvaluation`` is the schedule, as data: the step pipeline's ``run`` (execution/pipeline.py)
+evaluates on it. An evaluation runs only between complete steps: the pipeline sends no step
+behind one that an evaluation follows, and collects that step first (as for a checkpoint,
+[Note: pipelined steps] in fit/loop.py), so the evaluation sees exactly the weights of the step
+it reports. Its values go where the steps' go: the progress bar or log lines, the metrics file
+(one record ``{"step", "eval_loss", "eval_<metric>", "time"}``) and the ``evaluation`` of the
 StepResult of the step it followed, and to the callbacks' ``on_evaluation`` (fit/callbacks.py).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Optional
 
-from zeroray.runtime.controller.controller import Controller
 from zeroray.runtime.data_source import is_ray_dataset
-from zeroray.runtime.execution.step import StepResult
-from zeroray.runtime.fit.callbacks import Callbacks
-from zeroray.runtime.fit.progress import Progress
 
 
 class FitEvaluation:
@@ -24,7 +21,6 @@ class FitEvaluation:
     def __init__(self, data: Any, every: Optional[int], metric_fn: Optional[Callable],
                  dataset_batch_size: Optional[int]) -> None:
         self.data, self.every, self.metric_fn, self.dataset_batch_size = data, every, metric_fn, dataset_batch_size
-        self.last_step: Optional[int] = None  # the step count the last evaluation saw
 
     @staticmethod
     def of(data: Any, every: Optional[int], metric_fn: Optional[Callable],
@@ -46,26 +42,3 @@ class FitEvaluation:
             raise ValueError("eval_data must be re-iterable (a list of batches, or an object whose __iter__ starts "
                              "over) or a ray.data.Dataset: fit evaluates it more than once; got a one-shot iterator")
         return FitEvaluation(data, every, metric_fn, dataset_batch_size)
-
-    def due(self, step: int) -> bool:
-        """Whether an evaluation follows the step that ends at step count ``step``."""
-        return bool(self.every) and step % self.every == 0
-
-    def run(self, controller: Controller, results: List[StepResult], bar: Optional[Progress],
-            callbacks: Callbacks) -> Dict[str, float]:
-        """Evaluate now (no step in flight) and report it."""
-        metrics = controller.evaluate_in_fit(self.data, self.metric_fn, self.dataset_batch_size)
-        step = controller.step_count
-        self.last_step = step
-        if results and results[-1].step == step:
-            results[-1].evaluation = metrics
-        if bar is not None:
-            bar.evaluation(step, metrics)
-        callbacks.evaluation(step, metrics)
-        return metrics
-
-    def finish(self, controller: Controller, results: List[StepResult], bar: Optional[Progress],
-               callbacks: Callbacks) -> None:
-        """The evaluation at the end of fit, unless the last step's already ran."""
-        if self.last_step != controller.step_count:
-            self.run(controller, results, bar, callbacks)

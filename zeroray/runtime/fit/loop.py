@@ -1,4 +1,10 @@
-"""The fit loop: keep the next step in flight, checkpoint on a cadence, recover from worker failures.
+"""The fit loop: the step pipeline runs fit's steps on a plan; recover from worker failures.
+
+``run_fit`` checks fit's arguments, begins the fit on the controller, builds the data feed
+(fit/data.py) and the plan (where fit stops, its checkpoint, evaluation and callback cadence,
+the one ``report`` to the progress bar and the callbacks), and hands both to the step
+pipeline's ``run`` (execution/pipeline.py), which keeps steps in flight as below. On a worker
+failure it asks the controller to recover, and runs the pipeline again on a fresh feed.
 
 [Note: pipelined steps]
 While step N runs on the workers, the driver has already sent step N+1 (its call and, for a
@@ -11,7 +17,8 @@ meaning of fit does not change:
 - A checkpoint waits for its step: when step N is one that saves (``every_steps``), N+1 is not
   sent until N's result is in and the save is done, so no queued step runs before the save.
   An evaluation (``eval_every``, fit/evaluation.py) waits for its step the same way, and so does a
-  callback's ``pauses_after`` step (fit/callbacks.py).
+  callback's ``pauses_after`` step (fit/callbacks.py): the plan holds the cadence as data, and
+  the pipeline's ``run`` waits (``StepPipeline._waits``).
 - Results and progress come in step order, one per step, as each step is collected.
 - When fit leaves early (the data iterator raised, Ctrl-C), the step still in flight is
   collected first, so ``step_count`` and ``data_position`` count exactly the steps the
@@ -29,20 +36,20 @@ step that was in flight behind it).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, List, Optional
 
 from zeroray.config import CheckpointConfig, FailureConfig
 from zeroray.runtime.controller.controller import Controller
+from zeroray.runtime.execution.pipeline import FitPlan
+from zeroray.runtime.execution.step import StepResult
 from zeroray.runtime.fit.callbacks import Callbacks
-from zeroray.runtime.fit.data import Feed, feed_for, replayable
+from zeroray.runtime.fit.data import feed_for, replayable
 from zeroray.runtime.fit.evaluation import FitEvaluation
 from zeroray.runtime.fit.progress import Progress
-from zeroray.runtime.execution.step import StepResult
 
 log = logging.getLogger("zeroray")
-
-PIPELINE_DEPTH = 2  # steps in flight: the one running and the one queued behind it
 
 
 def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batch_size: Optional[int],
@@ -58,14 +65,19 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
         raise ValueError("fit with FailureConfig(max_failures>0) needs re-iterable data (a list, or an object "
                          "whose __iter__ starts over), so batches can be replayed after a failure; "
                          "got a one-shot iterator")
-    controller.begin_fit(skip, failure)
+    start_step, start_position = controller.begin_fit(skip, failure)
+    pipeline = controller.pipeline
     error: Optional[BaseException] = None
     try:
-        callbacks.fit_start(controller.step_count)
-        end = None if num_steps is None else controller.data_position + num_steps
-        feed = feed_for(controller, data, batch_size)  # checks a Dataset's batch_size before any step
+        callbacks.emit("fit_start", start_step)
+        feed = feed_for(pipeline, data, batch_size)  # checks a Dataset's batch_size before any step
         bar = Progress(num_steps, metrics_path=metrics_path) if progress else None
+        reporters = Callbacks(callbacks.callbacks, progress=bar) if bar else callbacks
         note = bar.note if bar else log.warning
+        plan = FitPlan(report=reporters.emit, end=None if num_steps is None else start_position + num_steps,
+                       save_every=checkpoint.every_steps,
+                       save=functools.partial(controller.checkpoints.save, checkpoint.path, checkpoint.keep),
+                       evaluation=evaluation, pauses_after=callbacks.pauses_after if callbacks.callbacks else None)
         results: List[StepResult] = []
         resave = False
         try:
@@ -73,24 +85,25 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
                 try:
                     if resave:  # the save a failure interrupted: recovery resumed at its step
                         resave = False
-                        _save(controller, checkpoint, callbacks)
-                    _run(controller, feed, end, checkpoint, results, bar, evaluation, callbacks)
-                    if evaluation is not None:
-                        evaluation.finish(controller, results, bar, callbacks)
+                        reporters.emit("checkpoint", pipeline.position.step_count, plan.save())
+                    pipeline.run(feed, plan, results)
                     break
                 except Exception as failed:  # noqa: BLE001 - classified by recover: raise, or restart
-                    feed.close()
+                    if feed.feed_id is not None:
+                        pipeline.detach(feed.feed_id)
                     controller.recover(failed, note)
-                    callbacks.recovery(controller.recoveries[-1])
-                    results[:] = [r for r in results if r.step <= controller.step_count]  # replayed below
+                    step = pipeline.position.step_count
+                    reporters.emit("recovery", controller.recovery.recoveries[-1])
+                    results[:] = [r for r in results if r.step <= step]  # replayed below
                     # From an in-memory snapshot, recovery may resume exactly at a step whose save
                     # the failure interrupted (a worker died writing it): the loop would not save
                     # that step again, and a later recovery would find only an older checkpoint.
-                    resave = (controller.step_count > 0 and _saves_after(controller.step_count, checkpoint)
-                              and controller.last_checkpoint_step != controller.step_count)
-                    feed = feed_for(controller, data, batch_size)
+                    resave = (step > 0 and bool(checkpoint.every_steps) and step % checkpoint.every_steps == 0
+                              and controller.last_checkpoint_step != step)
+                    feed = feed_for(pipeline, data, batch_size)
         finally:
-            feed.close()
+            if feed.feed_id is not None:
+                pipeline.detach(feed.feed_id)
             if bar:
                 bar.close()
         return results
@@ -98,55 +111,4 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
         error = raised
         raise
     finally:
-        controller.end_fit()
-        callbacks.fit_end(controller.step_count, error)  # the Trainer is idle again: on_fit_end may evaluate
-
-
-def _run(controller: Controller, feed: Feed, end: Optional[int], ckpt: CheckpointConfig,
-         results: List[StepResult], bar: Optional[Progress], evaluation: Optional[FitEvaluation],
-         callbacks: Callbacks) -> None:
-    """Steps from ``feed`` until it ends or ``end`` is reached, PIPELINE_DEPTH in flight in the
-    controller's pipeline ([Note: one step pipeline] in execution/pipeline.py)."""
-    pipeline = controller.pipeline
-    ended = False
-    try:
-        while True:
-            while not ended and len(pipeline) < PIPELINE_DEPTH:
-                if end is not None and controller.data_position + len(pipeline) >= end:
-                    break
-                last = pipeline.last_number
-                if last is not None and (_saves_after(last, ckpt) or (evaluation is not None and evaluation.due(last))
-                                         or callbacks.pauses_after(last)):
-                    break  # a checkpoint, evaluation or callback waits for its step: nothing may run before it
-                ended = feed.send() is None
-            if not len(pipeline):
-                return
-            tokens = pipeline.next_tokens
-            result = pipeline.collect()  # a failed step discards the ones behind it, then raises
-            if result is None:  # its split had run out: so had every step behind it (discarded)
-                return
-            results.append(result)  # the pipeline counted its batch: data_position moved on
-            if bar:
-                if tokens is not None:  # each step's own: batches may change shape between steps
-                    bar.tokens_per_step = tokens
-                bar.update(result)
-            if _saves_after(result.step, ckpt):
-                _save(controller, ckpt, callbacks)
-            if evaluation is not None and evaluation.due(result.step):
-                evaluation.run(controller, results, bar, callbacks)
-            callbacks.step(result)
-    except BaseException:
-        # The driver's side failed (the data iterator, a save, Ctrl-C): the steps already sent
-        # count, so step_count and data_position say what the workers applied.
-        pipeline.settle(results)
-        raise
-
-
-def _save(controller: Controller, ckpt: CheckpointConfig, callbacks: Callbacks) -> None:
-    """fit's checkpoint of the step it is at (every_steps, or the save a failure interrupted)."""
-    path = controller.save(ckpt.path, ckpt.keep)
-    callbacks.checkpoint(controller.step_count, path)
-
-
-def _saves_after(step: int, ckpt: CheckpointConfig) -> bool:
-    return bool(ckpt.every_steps) and step % ckpt.every_steps == 0
+        callbacks.emit("fit_end", controller.end_fit(), error)  # the Trainer is idle again: on_fit_end may evaluate

@@ -23,7 +23,6 @@ from ray.util.placement_group import remove_placement_group
 from zeroray.config import ScalingConfig
 from zeroray.runtime.failures import setup_error
 from zeroray.runtime.records import NodeInfo, SetupInfo, WorkerSpec
-from zeroray.runtime.snapshot import buddies
 from zeroray.runtime.worker.actor import CONCURRENCY_GROUPS, Worker
 from zeroray.runtime.worker.sequencer import Ticket
 from zeroray.runtime.worker_group.failure_detection import FailureDetection
@@ -36,7 +35,7 @@ class WorkerGroup(Placement, Reform, FailureDetection):
     """The actors of one world size, placed and wired into one collective group.
 
     Torn down and rebuilt on recovery; on resize a new group is built next to the old one.
-    Every call that touches the engines goes through ``call``/``call_each``, which number it per
+    Every call that touches the engines goes through ``call``, which numbers it per
     worker ([Note: one engine call at a time] in worker/sequencer.py); ``poll`` calls never wait for
     the engines. ``wait_all`` collects one call per worker and says who failed and how.
     """
@@ -58,7 +57,7 @@ class WorkerGroup(Placement, Reform, FailureDetection):
         # one bundle, so that a spare's reservation is released on its own.
         self._singles = spares > 0
         self._pgs: List[Any] = []  # every placement group this group holds (removed by shutdown)
-        self._scaling, self._threads = scaling, scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
+        self.scaling, self._threads = scaling, scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
         self._actor_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)  # once: every actor, spares too
         self.collective_timeout_s = spec.zero.collective_timeout_s
         # [Note: rendezvous timeout]: how long joining a re-formed group may take
@@ -106,27 +105,26 @@ class WorkerGroup(Placement, Reform, FailureDetection):
 
     # --- calls -----------------------------------------------------------------------------
 
-    def call(self, method: str, *args: Any, ranks: Optional[Sequence[int]] = None, after_ok: bool = False,
-             num_returns: int = 1) -> List[Any]:
+    def call(self, method: str, *args: Any, per_rank: Optional[Sequence[Sequence[Any]]] = None,
+             ranks: Optional[Sequence[int]] = None, after_ok: bool = False, num_returns: int = 1) -> List[Any]:
         """Start engine call ``method`` on every actor (or ``ranks``), each in its turn; object refs
-        in rank order. ``after_ok``: skip it (it returns Cancelled) where the call before it failed."""
-        ranks = range(self.num_workers) if ranks is None else ranks
-        return self.call_each(method, [args] * len(ranks), ranks=ranks, after_ok=after_ok, num_returns=num_returns)
-
-    def call_each(self, method: str, per_rank_args: Sequence[Sequence[Any]], *,
-                  ranks: Optional[Sequence[int]] = None, after_ok: bool = False, num_returns: int = 1) -> List[Any]:
-        """``call`` with other arguments per worker: ``per_rank_args[i]`` for ``ranks[i]``."""
+        in rank order. Every worker gets ``args``, or with ``per_rank`` its own: ``per_rank[i]`` for
+        ``ranks[i]``. ``after_ok``: skip it (it returns Cancelled) where the call before it failed."""
         self._check_usable()
         ranks = range(self.num_workers) if ranks is None else ranks
+        if per_rank is None:
+            per_rank = [args] * len(ranks)
+        elif args:
+            raise TypeError("call: give the workers args, or per_rank args, not both")
         refs = []
         with self._numbering:  # one call's tickets at a time, so every worker runs calls in one order
-            for rank, args in zip(ranks, per_rank_args):
+            for rank, rank_args in zip(ranks, per_rank):
                 ticket = Ticket(self._next_seq[rank], after_ok)
                 self._next_seq[rank] += 1
                 remote = getattr(self.actors[rank], method)
                 if num_returns != 1:
                     remote = remote.options(num_returns=num_returns)
-                refs.append(remote.remote(ticket, *args))
+                refs.append(remote.remote(ticket, *rank_args))
         return refs
 
     def poll(self, method: str, ranks: Optional[Sequence[int]] = None) -> List[Any]:
@@ -152,3 +150,11 @@ class WorkerGroup(Placement, Reform, FailureDetection):
                 remove_placement_group(pg)
             except Exception:  # noqa: BLE001
                 pass
+
+
+def buddies(node_ids: List[str]) -> List[Optional[int]]:
+    """Per rank, its buddy ([Note: buddy copies] in snapshot.py): the first rank after it (cyclically) whose
+    worker runs on another node; None where every other rank shares its node."""
+    n = len(node_ids)
+    return [next(((r + k) % n for k in range(1, n) if node_ids[(r + k) % n] != node_ids[r]), None)
+            for r in range(n)]

@@ -94,7 +94,7 @@ class Placement:
         one placement group of ``count`` bundles, or with spares one of a bundle each, on the nodes
         the strategy chose ([Note: spare placement]); or take the given placement group's bundles
         ([Note: given placement group]). Raises PlacementError."""
-        scaling, bundle = self._scaling, self._bundle
+        scaling, bundle = self.scaling, self._bundle
         if scaling.placement_group is not None:
             return self._given_bundles(count)
         deadline = time.monotonic() + scaling.placement_timeout_s
@@ -124,7 +124,7 @@ class Placement:
     def _given_bundles(self, count: int) -> List[Slot]:
         """The slots of the first ``count`` bundles ScalingConfig names in a placement group made
         elsewhere, checked and waited for; this group neither owns nor removes it."""
-        scaling = self._scaling
+        scaling = self.scaling
         pg = scaling.placement_group
         indices = scaling.placement_bundles or tuple(range(scaling.num_workers))
         if self._singles:
@@ -147,7 +147,7 @@ class Placement:
 
     def _new_actor(self, rank: int, slot: Optional[Slot]) -> Any:
         """A worker actor in ``slot`` (a placement group's bundle), or outside any (None); rank -1: a spare."""
-        scaling = self._scaling
+        scaling = self.scaling
         strategy = "DEFAULT" if slot is None else PlacementGroupSchedulingStrategy(
             placement_group=slot[0], placement_group_bundle_index=slot[1])
         return self._actor_cls.options(

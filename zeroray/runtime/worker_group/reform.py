@@ -167,7 +167,7 @@ class Reform:
         spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
         self.failed, self.survivors = None, []
         joining = self.rendezvous_timeout_s
-        self.setup_info = self.wait_all(self.call_each("setup", [(spec, self.nodes[0].ip, master_port, r,
+        self.setup_info = self.wait_all(self.call("setup", per_rank=[(spec, self.nodes[0].ip, master_port, r,
                                                                   self.num_workers, joining)
                                                                  for r in range(self.num_workers)]),
                                         None, "re-form the group", grace_s=2 * joining + FAILURE_GRACE_S)
