@@ -8,7 +8,7 @@ It trains the main job's GPT (examples/gpt.py, made small) on a local cluster of
 worker nodes (cluster/local-cluster.sh), ZeRO stage 3, 2 workers placed SPREAD, checkpoints every
 ``--every`` steps, ``FailureConfig(max_failures)`` far above the faults; with ``--snapshot-every``
 in-memory snapshots, so a failure replaces the lost worker (a warm spare with ``--spares``) and
-resumes from memory ([Note: replace, don't restart] in zeroray/runtime/worker_group.py). The run is ``--cycles``
+resumes from memory ([Note: replace, don't restart] in zeroray/runtime/worker_group/reform.py). The run is ``--cycles``
 cycles of ``--steps-per-cycle`` steps; each cycle gets one fault, its kind, step and worker drawn
 from ``--seed``:
 

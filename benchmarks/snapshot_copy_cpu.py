@@ -6,7 +6,7 @@ plus Ray's store of the returned shard, measured in a Ray actor that does nothin
 The actor holds one engine (the main job's GPT, d_model 512, ``--layers`` 4, 8 heads: at one
 rank that is 152 MB of master and Adam state, the share of a worker of the ``--large`` 8-layer
 model at 2 workers in benchmarks/snapshot_cost.py), trained one step, and returns
-``runtime.snapshot.copy_shard`` as ``Worker.snapshot_shard`` does. The CPU seconds (the
+``runtime.worker.snapshot_side.copy_shard`` as ``Worker.snapshot_shard`` does. The CPU seconds (the
 actor process's, every thread: Ray's store may copy on several) and wall seconds run from the
 capture until Ray lets go of the last returned array, which it does once it has stored them.
 Also printed: the actor's minor page faults over the same span (pages it wrote for the first
@@ -57,7 +57,7 @@ class Bench:
         return zeroray.__file__
 
     def snap(self):
-        from zeroray.runtime.snapshot import capture, copy_shard
+        from zeroray.runtime.worker.snapshot_side import capture, copy_shard
 
         t0, c0 = time.perf_counter(), time.process_time()
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

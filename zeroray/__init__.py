@@ -14,7 +14,7 @@ def __getattr__(name):
 
         return getattr(trainer, name)
     if name == "Callback":
-        from zeroray.runtime.callbacks import Callback
+        from zeroray.runtime.fit.callbacks import Callback
 
         return Callback
     if name == "estimate_memory":

@@ -258,12 +258,12 @@ class ScalingConfig:
     min_workers: after a failure, training continues with as many workers as the cluster
         offers, down to this many (None: num_workers, i.e. wait for the full size); with
         in-memory snapshots, the survivors go on alone when no replacement can be placed
-        ([Note: shrink in memory] in runtime/worker_group.py).
+        ([Note: shrink in memory] in runtime/worker_group/reform.py).
     placement_group: a Ray placement group someone else made (a Ray Tune trial's) to place the
         workers in, instead of one of zeroray's own; worker r takes bundle
         ``placement_bundles[r]`` (None: bundle r), which must hold ``cpus_per_worker`` CPUs (and
         a GPU with use_gpu). zeroray never removes it, and ``placement_strategy`` does not apply
-        ([Note: given placement group] in runtime/worker_group.py). zeroray.tune sets both.
+        ([Note: given placement group] in runtime/worker_group/placement.py). zeroray.tune sets both.
     """
 
     num_workers: int = 2

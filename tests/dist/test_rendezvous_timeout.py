@@ -1,5 +1,5 @@
 """The rendezvous has a timeout of its own ([Note: rendezvous timeout] in
-zeroray/runtime/worker_group.py): a rank whose peer never joins gets a RendezvousError after
+zeroray/runtime/worker_group/reform.py): a rank whose peer never joins gets a RendezvousError after
 about ``rendezvous_timeout_s`` (not the collective timeout), in its own process, and a group that
 did form keeps ``timeout_s`` for its collectives. Two ranks as threads of one process: each
 holds its own store client and process group object."""

@@ -165,7 +165,7 @@ def _resize(old_layout, old_states):
     """A resize's transfer ([Note: resize transfer]): this rank's pieces of every old rank's state."""
     def resize(engine):
         from zeroray.layout.arena import FlatLayout
-        from zeroray.runtime.state_transfer import PieceAssembler, cut_pieces
+        from zeroray.runtime.worker.state_transfer import PieceAssembler, cut_pieces
 
         layout, rank = engine.state_layout()
         assembler = PieceAssembler(layout)

@@ -7,7 +7,7 @@ saves every K steps and stops after step K (`--stop-after K`); job 2 resumes the
 checkpoint (`--resume latest`) with 3 workers at stage 2 and trains to the run's total, --steps.
 Job 1 sets --lr and --adam-eps (not the script's defaults) and job 2 leaves them out: it must go
 on with the checkpoint's optimizer, not restate the script's default one (zeroray's restore
-rebuilds the saved optimizer: [Note: restoring the optimizer] in zeroray/runtime/optimizer_restore.py).
+rebuilds the saved optimizer: [Note: restoring the optimizer] in zeroray/runtime/controller/optimizer_restore.py).
 The global batch of 7 rows divides over neither (4, 3, then 3, 2, 2, each worker's loss weighted by
 its rows), so the run is one run only if the weighting makes each step the whole batch's. Between
 the jobs, a resume with another --batch-size or --seq-len is refused before anything starts.

@@ -4,7 +4,7 @@
   StoragePath by the worker that writes the file): fit stops with the OSError and a note saying
   what was kept; ``latest`` still names the previous checkpoint, which loads with the weights of
   its step; the workers were not torn down, and once the storage works fit goes on and ends
-  with the weights of an uninterrupted run ([Note: failed saves] in runtime/controller.py).
+  with the weights of an uninterrupted run ([Note: failed saves] in runtime/controller/checkpointing.py).
 - ``Trainer.restore(root, ..., fallback=True)`` skips damaged checkpoints (a flipped byte in a
   shard, a manifest that is not JSON, an interrupted save) and loads the newest one that
   verifies, saying which it skipped and why.

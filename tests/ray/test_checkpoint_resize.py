@@ -11,9 +11,9 @@ import torch
 import zeroray as zr
 from zeroray.layout.arena import FlatLayout
 from zeroray.checkpoint import CheckpointError, latest_checkpoint, reshard_in_memory
-from zeroray.runtime.controller import TrainerState
+from zeroray.runtime.controller.controller import TrainerState
 from zeroray.runtime.failures import PlacementError
-from zeroray.runtime.state_transfer import PieceAssembler, cut_pieces
+from zeroray.runtime.worker.state_transfer import PieceAssembler, cut_pieces
 from tests.models import lm_loss, make_batches, parity_model, reference_run
 
 STEPS, SPLIT = 8, 4

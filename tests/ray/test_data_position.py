@@ -1,5 +1,5 @@
 """The Controller is the only writer of ``data_position`` ([Note: trainer states] in
-zeroray/runtime/controller.py): fit's collected steps move it on, ``trainer.data_position = p``
+zeroray/runtime/controller/controller.py): fit's collected steps move it on, ``trainer.data_position = p``
 goes through ``Controller.seek`` (idle only, an int >= 0), and the next fit starts there."""
 import pytest
 import torch

@@ -26,8 +26,8 @@ from tests.dist.test_variable_shapes import ADAMW, reference
 from tests.padded_data import hf_loss, padded_batches
 from tests.real_models import hf_gpt2
 from zeroray.engine.batch import split_batch
-from zeroray.runtime import progress as progress_mod
-from zeroray.runtime.controller import TrainerState
+from zeroray.runtime.fit import progress as progress_mod
+from zeroray.runtime.controller.controller import TrainerState
 
 WORLD = 2
 LONGEST = (6, 11, 5, 9, 14, 7)

@@ -1,4 +1,4 @@
-"""``Trainer.fit(callbacks=[...])`` (zeroray/runtime/callbacks.py): every step's result reaches
+"""``Trainer.fit(callbacks=[...])`` (zeroray/runtime/fit/callbacks.py): every step's result reaches
 ``on_step`` in order, after its checkpoint and evaluation; a step a callback ``pauses_after`` is
 the last one the workers ran when ``on_step`` sees it, so a save there holds exactly that step
 (what zeroray.tune's reports rely on); an error in a callback ends fit and is not retried."""

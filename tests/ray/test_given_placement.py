@@ -1,6 +1,6 @@
 """``ScalingConfig(placement_group=pg, placement_bundles=...)``: the workers go into bundles of a
 placement group made elsewhere (a Ray Tune trial's, zeroray/tune/), and nowhere else ([Note: given
-placement group] in zeroray/runtime/worker_group.py).
+placement group] in zeroray/runtime/worker_group/placement.py).
 
 Which bundle an actor holds is read from Ray's own accounting: a bundle's resource
 ``CPU_group_<i>_<pg id>`` is free until an actor takes it.

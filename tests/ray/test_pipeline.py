@@ -18,7 +18,7 @@ import zeroray as zr
 from tests.models import VOCAB, lm_loss, make_batches, parity_model, reference_run
 from zeroray.checkpoint import full_state_dict
 from zeroray.runtime.failures import WorkerTraceback
-from zeroray.runtime.sequencer import Cancelled, Sequencer, Ticket
+from zeroray.runtime.worker.sequencer import Cancelled, Sequencer, Ticket
 
 SLOW_S = 0.25      # every step sleeps this long in loss_fn
 RAISE_MARK = VOCAB - 3  # a global batch made only of this token raises in loss_fn, on every worker

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from zeroray.runtime import progress as progress_mod
-from zeroray.runtime.progress import Progress
+from zeroray.runtime.fit import progress as progress_mod
+from zeroray.runtime.fit.progress import Progress
 
 
 class FakeGauge:
@@ -106,7 +106,7 @@ def test_evaluations_of_fit(monkeypatch, caplog, capsys, tmp_path):
 
 def test_plain_lines_reach_stdout_without_logging_config():
     # A fresh interpreter with no logging configured, stderr not a tty: what a Ray job's driver sees.
-    code = ("from types import SimpleNamespace as S; from zeroray.runtime.progress import Progress\n"
+    code = ("from types import SimpleNamespace as S; from zeroray.runtime.fit.progress import Progress\n"
             "p = Progress(2); p._ray_metrics = {}\n"
             "[p.update(S(step=i, loss=1.5, grad_norm=1.0, step_time_s=0.2, skipped=False)) for i in (1, 2)]\n"
             "p.note('a note'); p.close()\n")
@@ -123,6 +123,7 @@ def test_importing_ipykernel_is_not_a_notebook():
 
 def test_zeroray_logger():
     assert progress_mod.log is logging.getLogger("zeroray")
-    from zeroray.runtime import controller, fit_loop
+    from zeroray.runtime.controller import controller
+    from zeroray.runtime.fit import loop as fit_loop
 
     assert fit_loop.log is controller.log is progress_mod.log

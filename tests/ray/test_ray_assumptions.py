@@ -41,8 +41,8 @@ import pytest
 import ray
 import torch
 
-from zeroray.runtime.snapshot import on_release
-from zeroray.runtime.state_transfer import from_wire, to_wire
+from zeroray.runtime.worker.snapshot_side import on_release
+from zeroray.runtime.worker.state_transfer import from_wire, to_wire
 
 TESTED = "2.60.0"  # the Ray release these behaviours were read in (_raylet.pyx's execute_task) and tested with
 LARGE = 4_000_000  # 16 MB of fp32: far above the 100 KiB under which Ray inlines a return value into its reply

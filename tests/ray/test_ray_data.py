@@ -16,7 +16,7 @@ import torch
 
 import zeroray as zr
 from tests.models import SEQ, VOCAB, lm_loss, parity_model
-from zeroray.runtime.local_feed import to_tensors
+from zeroray.runtime.worker.local_feed import to_tensors
 
 ROWS, GLOBAL, WORKERS = 48, 8, 2
 STEPS = ROWS // GLOBAL  # equal splits of 24 rows, local batches of 4: 6 steps in one pass

@@ -1,4 +1,4 @@
-"""Ray Data recovery replays the same rows ([Note: Ray Data replay] in zeroray/runtime/data.py).
+"""Ray Data recovery replays the same rows ([Note: Ray Data replay] in zeroray/runtime/fit/data.py).
 
 The dataset goes through a ``map_batches`` whose tasks take random times, so its blocks finish
 out of order on every pass. One fit runs uninterrupted; another, with checkpoints every 2 steps,

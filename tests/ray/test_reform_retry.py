@@ -1,5 +1,5 @@
 """A replacement that dies, or stalls, while the group is re-formed ([Note: rendezvous timeout] in
-zeroray/runtime/worker_group.py): the survivor waits in the rendezvous only until its own short
+zeroray/runtime/worker_group/reform.py): the survivor waits in the rendezvous only until its own short
 timeout, stays alive with its process, and the driver re-forms again: with another replacement
 after a death, with the same workers after a stall. One recovery (two attempts, two failures
 counted), the survivor's pid unchanged, at most one step redone, losses and weights bitwise equal

@@ -2,7 +2,7 @@
 checkpoint's optimizer, hyperparameters, param groups and LR scheduler come back without being
 restated, as PyTorch's ``load_state_dict`` brings them back, and each run here equals
 uninterrupted single-process PyTorch within the parity tolerance (losses 1e-5 relative,
-parameters 1e-5). See [Note: restoring the optimizer] in zeroray/runtime/optimizer_restore.py.
+parameters 1e-5). See [Note: restoring the optimizer] in zeroray/runtime/controller/optimizer_restore.py.
 
 Before this, ``Trainer.restore(ck, model_fn, loss_fn)`` trained on with the default AdamW()
 (weight decay 0.01) whatever the checkpoint was saved with, silently: a parameter 3.4e-4 off the

@@ -1,4 +1,4 @@
-"""Shrink in memory ([Note: shrink in memory] in zeroray/runtime/worker_group.py): 3 workers of
+"""Shrink in memory ([Note: shrink in memory] in zeroray/runtime/worker_group/reform.py): 3 workers of
 2 CPUs fill a 3-node cluster of 2 CPUs a node; the node of one worker dies inside a step, so
 its replacement cannot be placed. With ``min_workers=2`` the two survivors keep their processes,
 re-form a group of two (torch.distributed's default group too), load the in-memory snapshot

@@ -25,7 +25,8 @@ import torch
 import zeroray as zr
 from tests.models import lm_loss, make_batches, parity_model
 from zeroray.checkpoint import list_checkpoints, read_shard_slices
-from zeroray.runtime.snapshot import SnapshotKeeper, on_release
+from zeroray.runtime.execution.pipeline import SnapshotKeeper
+from zeroray.runtime.worker.snapshot_side import on_release
 
 ELEMENTS = 10_000_000  # 40 MB: Ray's store of it takes long enough for an early overwrite to tear it
 ROUNDS = 12

@@ -1,7 +1,7 @@
 """In-memory snapshots ([Note: in-memory snapshots] in zeroray/runtime/snapshot.py): a worker
 SIGKILLed mid-fit costs at most one step, and the run after recovery equals an uninterrupted run
 bitwise (per-step losses and final weights). The recovery replaces the lost worker only ([Note:
-replace, don't restart] in zeroray/runtime/worker_group.py): the survivor keeps its process, the
+replace, don't restart] in zeroray/runtime/worker_group/group.py): the survivor keeps its process, the
 replacement is a new actor, or with ``FailureConfig(spares=1)`` the warm spare.
 
 The kill lands as in test_faults.py: worker 1 blocks inside loss_fn of the step on a named batch,

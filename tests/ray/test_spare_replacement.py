@@ -1,5 +1,5 @@
 """Which spare a replacement takes ([Note: replace, don't restart] in
-zeroray/runtime/worker_group.py): a spare that died after it warmed (its process SIGKILLed)
+zeroray/runtime/worker_group/reform.py): a spare that died after it warmed (its process SIGKILLed)
 is dropped, not put in the lost rank, so the recovery costs one failure, not two (with
 ``max_failures=1`` taking the dead spare would end the fit), and the lost rank gets a new actor.
 """

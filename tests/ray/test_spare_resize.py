@@ -1,5 +1,5 @@
 """Spares never stand in the way of a resize ([Note: spare placement] in
-zeroray/runtime/worker_group.py): a trainer with two spares resizes 2 -> 3 -> 2 workers on a
+zeroray/runtime/worker_group/placement.py): a trainer with two spares resizes 2 -> 3 -> 2 workers on a
 cluster that could not hold its old workers, its spares and the new workers at once, comes back
 with its two spares after each resize, and trains as single-process PyTorch does (the resize
 tests' tolerance; the same run without spares is test_checkpoint_resize's).

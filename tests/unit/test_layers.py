@@ -1,8 +1,10 @@
 """The import-linter contracts of pyproject.toml hold, and a broken one is caught.
 
-The contracts are the layers of docs/architecture.md ("layers"), "only runtime imports ray",
-"comm knows nothing of models", "no cycles between sibling modules" and "tests import no
-benchmark". They are checked by
+The contracts are the layers of docs/architecture.md ("layers", with tune/ and tracking/ above
+runtime/), "only runtime (and the Tune integration above it) imports ray",
+"comm knows nothing of models", "no cycles between sibling modules", the packages inside runtime/
+("runtime-layers"), "the worker side never imports the driver's packages", "tests import no
+benchmark" and "plan simulates on paper". They are checked by
 ``lint-imports`` itself, run here as a subprocess from the repository root, rather than by a
 hand-written walk over the imports: import-linter reads the whole import graph (function-level
 imports too) and names the import chain that breaks a contract.
@@ -39,8 +41,8 @@ def lint_imports(root: Path, *contracts: str) -> subprocess.CompletedProcess:
 
 
 def test_the_contracts_are_the_ones_the_docs_describe():
-    assert CONTRACTS == ["layers", "ray-in-runtime", "comm-no-models", "no-cycles", "tests-no-benchmarks",
-                         "plan-pure"]
+    assert CONTRACTS == ["layers", "ray-in-runtime", "comm-no-models", "no-cycles", "runtime-layers",
+                         "worker-not-driver", "tests-no-benchmarks", "plan-pure"]
 
 
 @pytest.mark.parametrize("contract", [
@@ -62,6 +64,15 @@ def test_contract_is_kept(contract):
     # comm learning about models: the wrap policy is the layout's business, not the collectives'.
     ("zeroray/comm/gather.py", "from zeroray.layout import wrap", "comm-no-models",
      "zeroray.comm.gather -> zeroray.layout.wrap"),
+    # runtime reaching up into a tracker: a worker could then import TensorBoard (tracking/ is above runtime/).
+    ("zeroray/runtime/fit/callbacks.py", "from zeroray.tracking import scalars", "layers",
+     "zeroray.runtime.fit.callbacks -> zeroray.tracking.scalars"),
+    # The controller driving fit: fit drives the controller through its public methods, not back.
+    ("zeroray/runtime/controller/policy.py", "from zeroray.runtime.fit import loop", "runtime-layers",
+     "zeroray.runtime.controller.policy -> zeroray.runtime.fit.loop"),
+    # The worker side learning of the driver's step pipeline.
+    ("zeroray/runtime/worker/local_feed.py", "from zeroray.runtime.execution import pipeline", "worker-not-driver",
+     "zeroray.runtime.worker.local_feed -> zeroray.runtime.execution.pipeline"),
     # A test reaching into a benchmark script for a helper (what tests/unit/test_gpu.py once did).
     ("tests/unit/test_gpu.py", "from benchmarks.gpu_check import main", "tests-no-benchmarks",
      "tests.unit.test_gpu -> benchmarks.gpu_check"),

@@ -1,5 +1,5 @@
 """The typed messages: the manifest's fields (checked once, a malformed field named), a manifest
-written by an earlier release still loads, and the runtime's actor messages (runtime/messages.py)."""
+written by an earlier release still loads, and the runtime's actor messages (runtime/records.py)."""
 import dataclasses
 import json
 import os
@@ -11,8 +11,9 @@ import torch
 from zeroray.checkpoint import (CheckpointError, Manifest, ManifestFields, commit, load_manifest,
                                 load_resharded, verify_files, write_extra)
 from zeroray.layout.arena import FlatLayout
-from zeroray.runtime.messages import Hops, SetupInfo, SplitInfo, StepOutput, WorkerSpec
-from zeroray.runtime.step import PendingStep
+from zeroray.engine.step_result import StepStats
+from zeroray.runtime.records import Hops, SetupInfo, SplitInfo, StepRecord, WorkerSpec
+from zeroray.runtime.execution.pipeline import PendingStep
 from tests.unit.test_checkpoint_store import UNITS, shard_of, write_all
 
 # manifest.json as the release before typed manifests wrote it (write_all(root, 3, world_size=2),
@@ -114,7 +115,7 @@ def test_a_manifest_is_frozen_and_checked_when_built():
 
 
 def test_step_outputs_combine_into_a_step_result():
-    outs = [StepOutput(loss=loss, grad_norm=2.0, step=5, skipped=False, loss_scale=None, time_s=t,
+    outs = [StepRecord(StepStats(loss=loss, grad_norm=2.0, step=5, skipped=False, loss_scale=None, time_s=t),
                        hops=Hops(1.0, 2.0, 3.0 + t)) for loss, t in ((1.0, 0.5), (3.0, 0.25))]
     result = PendingStep.combine(outs)
     assert (result.loss, result.grad_norm, result.step, result.skipped, result.step_time_s) == (2.0, 2.0, 5, False, 0.5)
@@ -130,8 +131,8 @@ def test_actor_messages_are_frozen_and_travel_by_pickle():
     lay = FlatLayout(UNITS, 2)
     info = SetupInfo(layout=lay, state_layout=lay, state_rank=1, state_dict_keys=("a.w",), build_s=0.1,
                      peak_rss_bytes=1)
-    layout_dict, rank = info.resize_target()
-    assert rank == 1 and FlatLayout.from_dict(layout_dict).same_params_as(lay)
+    layout, rank = info.resize_target()
+    assert rank == 1 and layout.same_params_as(lay)
     back = pickle.loads(pickle.dumps(info))
     assert back.layout.same_params_as(lay) and back.state_dict_keys == ("a.w",)
     for message, name in ((spec, "seed"), (info, "build_s"), (SplitInfo(has_next=False), "rows")):

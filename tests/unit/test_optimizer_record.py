@@ -1,6 +1,6 @@
 """The optimizer record ([Note: optimizer record] in zeroray/engine/optim_record.py), what a
 restore rebuilds from it ([Note: rebuilt from data] in engine/optim_rebuild.py) and what a load
-takes of it ([Note: restoring the optimizer] in runtime/optimizer_restore.py), on one engine in
+takes of it ([Note: restoring the optimizer] in runtime/controller/optimizer_restore.py), on one engine in
 one process (SoloGroup): no Ray. The record goes through JSON text each time, as a manifest
 holds it; the restored engine must go on bitwise as the one that saved, on the optimizer path
 the saved one took (flat pieces, or whole parameters: [Note: optimizer paths] in
@@ -25,7 +25,7 @@ from zeroray.engine.optim_rebuild import (SCHEDULERS, NamedOverrides, RebuildErr
                                           rebuild_optimizer, rebuild_scheduler)
 from zeroray.engine.optim_record import (decode, encode, hyperparameters, load_scheduler_state, merge_parts,
                                          scheduler_state, with_plan)
-from zeroray.runtime.optimizer_restore import RestoreChoice, choose, plan_load
+from zeroray.runtime.controller.optimizer_restore import RestoreChoice, choose, plan_load
 from tests.models import DIM, VOCAB, lm_loss, make_batches, parity_model
 from tests.whole_param_optimizers import Lamb, muon_adamw
 

@@ -7,7 +7,7 @@ from zeroray.errors import CollectiveError, PeerStepError
 from zeroray.runtime.failures import (CollectiveTimeoutError, ErrorKind, WorkerDiedError, WorkerError,
                                       WorkerGroupError, WorkerTraceback, classify_error, is_worker_failure,
                                       worker_error)
-from zeroray.runtime.policy import Action, FailurePolicy, ScalingPolicy
+from zeroray.runtime.controller.policy import Action, FailurePolicy, ScalingPolicy
 
 
 def _task_error(cause: BaseException) -> BaseException:

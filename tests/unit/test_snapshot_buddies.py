@@ -1,6 +1,6 @@
 """Who holds the copy of each rank's snapshot shard ([Note: buddy copies] in
 zeroray/runtime/snapshot.py): the next rank on another node, none on a single node."""
-from zeroray.runtime.snapshot import buddies
+from zeroray.runtime.worker_group.group import buddies
 
 
 def test_buddy_is_the_next_rank_on_another_node():

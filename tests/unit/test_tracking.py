@@ -9,8 +9,8 @@ import pytest
 import zeroray as zr
 from tests.tracking_readback import (as_float32, mlflow_history, mlflow_runs, tensorboard_scalars, wandb_history,
                                      wandb_run_files)
-from zeroray.runtime.callbacks import Callbacks
-from zeroray.runtime.step import StepResult
+from zeroray.runtime.fit.callbacks import Callbacks
+from zeroray.runtime.execution.step import StepResult
 from zeroray.tracking import MLflowCallback, TensorBoardCallback, WandbCallback
 
 

@@ -12,7 +12,7 @@ Hand it to a run through a ``StoragePath``::
 
 The storage object travels to the workers with every save and load (it pickles), so the fault
 hits the worker that writes the matching file, or the driver when the file is the manifest or
-``latest``. What a run does about it: [Note: failed saves] in runtime/controller.py.
+``latest``. What a run does about it: [Note: failed saves] in runtime/controller/checkpointing.py.
 ``StorageWrapper`` is the base for storages of this kind (the chaos benchmark's gates).
 """
 from __future__ import annotations

@@ -48,7 +48,7 @@ log = logging.getLogger("zeroray")
 
 class RendezvousError(CollectiveError, TimeoutError):
     """Joining a collective group failed: a peer did not join within the rendezvous timeout, or
-    died while joining ([Note: rendezvous timeout] in runtime/worker_group.py). The process
+    died while joining ([Note: rendezvous timeout] in runtime/worker_group/reform.py). The process
     itself is intact."""
 
 
@@ -404,7 +404,7 @@ def make_torch_group(backend: str, rank: int, world_size: int, master_addr: str,
 
     ``timeout_s`` bounds every collective; ``rendezvous_timeout_s`` (default: ``timeout_s``)
     bounds the rendezvous alone, the store and the process group's connections, see [Note:
-    rendezvous timeout] in runtime/worker_group.py. A rendezvous that does not complete in time raises ``RendezvousError``.
+    rendezvous timeout] in runtime/worker_group/group.py. A rendezvous that does not complete in time raises ``RendezvousError``.
     ``solo=False`` builds a real process group at world size 1 too (the NCCL path exercised
     on one GPU, benchmarks/gpu_check.py), instead of the SoloGroup shortcut."""
     if world_size == 1 and solo:

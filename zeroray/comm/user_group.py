@@ -22,7 +22,7 @@ survivors, and every worker's ``setup`` joins again) destroys it and initialises
 membership, so its rank and world size are the worker's. At world size 1 (zeroray's
 ``SoloGroup``) it is a group of one over an in-process store. Joining is bounded by the
 rendezvous timeout, its collectives by ``collective_timeout_s``, as zeroray's group is. A
-spare's throwaway build (runtime/worker.py ``warm``) never joins: only ``setup`` does.
+spare's throwaway build (runtime/worker/actor.py ``warm``) never joins: only ``setup`` does.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The per-rank training engine: one rank's model, storage, reducer, coordinator and optimizer.
 
 No Ray here: the engine is plain PyTorch over a ``Group`` and is tested for exact parity in
-torch processes. The Ray worker actor (runtime/worker.py) only wraps it. It composes; each
+torch processes. The Ray worker actor (runtime/worker/actor.py) only wraps it. It composes; each
 part is built once, by stage where it must be ([Note: stage policy] in layout/stage.py), and the
 step never asks which stage it runs:
 

@@ -30,7 +30,7 @@ entry (JSON: a checkpoint never holds code, nothing here is pickled):
 "initial" comes from a *probe*: the same spec (and scheduler) built over one 1-element-by-1
 parameter per group. With both initial and current values the record says what the user
 asked for and where the run got to, so a restore can tell a hyperparameter the user restated
-(its initial value differs) from one the scheduler moved (runtime/optimizer_restore.py).
+(its initial value differs) from one the scheduler moved (runtime/controller/optimizer_restore.py).
 
 Values: JSON's numbers, strings, booleans and null as themselves; sequences as lists, which
 hyperparameters read back as tuples (torch's ``betas``, ``etas``); a ``collections.Counter``
@@ -291,7 +291,7 @@ def check_record(record: Any, source: Any) -> None:
 
 def with_plan(tensors: Dict[str, torch.Tensor], scalars: Dict[str, Any], plan: Mapping[str, Any]
               ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """A rank's loaded (tensors, scalars) as a restore's plan says (runtime/optimizer_restore.py's
+    """A rank's loaded (tensors, scalars) as a restore's plan says (runtime/controller/optimizer_restore.py's
     ``LoadPlan``): each group's hyperparameters and the scheduler's state from ``plan``, and with
     ``fresh_optimizer`` no optimizer state at all (neither path's: flat pieces' nor whole parameters')."""
     scalars = {**scalars, "groups": plan["groups"], "scheduler": plan["scheduler"]}

@@ -149,7 +149,7 @@ def first_batch(data: Any, batch_size: Optional[int] = None) -> Tuple[Any, Any]:
     A ``ray.data.Dataset`` gives its first ``batch_size`` rows (``take_batch``); a sequence its first
     element; a one-shot iterator its first batch, and the data returned puts it back in front; any
     other iterable the first batch of a fresh iterator over it."""
-    from zeroray.runtime.data import is_ray_dataset
+    from zeroray.runtime.data_source import is_ray_dataset
 
     if is_ray_dataset(data):
         if not batch_size:

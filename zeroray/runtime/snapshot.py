@@ -11,7 +11,7 @@ raylet), a small one inline in the driver's memory; in neither case in the worke
 heap, so it survives the worker's death. The driver keeps the refs; nothing is written to disk.
 
 Order without a barrier: the snapshot call is numbered right after the step it captures
-([Note: one engine call at a time] in sequencer.py), with ``after_ok``, so it runs after that
+([Note: one engine call at a time] in worker/sequencer.py), with ``after_ok``, so it runs after that
 step and before the next one, which fit has already queued, and only if the step succeeded;
 the next step is ``after_ok`` behind the snapshot. fit's pipeline is not broken: the copy
 runs on the workers beside the next step ([Note: overlapped snapshot copy]).
@@ -61,19 +61,12 @@ node before the copy arrived) lose the shard: the fallback is the disk checkpoin
 """
 from __future__ import annotations
 
-import base64
-import threading
-import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
-
-import ray
-import torch
+from typing import Any, List, Tuple
 
 from zeroray.checkpoint import plan
 from zeroray.layout.arena import FlatLayout
 from zeroray.layout.owners import owned_by, param_owners
-from zeroray.runtime.state_transfer import PieceAssembler, cut_pieces, from_wire, to_wire
 
 
 @dataclass
@@ -82,10 +75,10 @@ class Snapshot:
 
     ``shards[r]``: old rank r's ``{"tensors": {key: wire array}, "scalars": {...}}`` in the
     coordinates of ``layout`` (the group's layout when it was taken); ``untrained``: rank 0's
-    buffers and frozen parameters; ``records``: one small ``{"step": n}`` per rank, what the
+    buffers and frozen parameters; ``records``: one small ``SnapshotRecord`` per rank, what the
     driver waits on. ``step``/``data_position``: set when the driver collected the step."""
 
-    layout: Dict[str, Any]
+    layout: FlatLayout
     shards: List[Any]
     untrained: Any
     records: List[Any]
@@ -93,124 +86,13 @@ class Snapshot:
     data_position: int = -1
 
 
-# --- the worker's side -------------------------------------------------------------------------
-
-
-@dataclass
-class Capture:
-    """What a snapshot takes in its turn between two steps ([Note: overlapped snapshot copy]):
-    what the next step's forward may change (the random generator, rank 0's buffers), the
-    step, and the engine whose state ``copy_shard`` then copies beside that forward."""
-
-    engine: Any
-    rng: torch.Tensor
-    untrained: Any
-    step: int
-
-
-def capture(engine: Any, rank: int) -> Capture:
-    return Capture(engine, torch.get_rng_state(), engine.untrained_state() if rank == 0 else None,
-                   engine.step_count)
-
-
-def copy_shard(taken: Capture, released: Callable[[], None]) -> Tuple[Dict[str, Any], Any, Dict[str, int]]:
-    """``Worker.snapshot_shard``'s three return values: (this rank's shard, rank 0's untrained
-    state or None, a small record), from the state as it was at ``taken``. The shard's arrays
-    may be views of the live state ([Note: overlapped snapshot copy]): ``released`` is called
-    once Ray has let go of every one of them, that is, once it has stored them; at once if the
-    export copied everything (offload="disk")."""
-    engine = taken.engine
-    live = engine.zero.offload is None  # the disk tier's loaded state goes back to its files
-    tensors, scalars = engine.export_state(live=live)
-    if scalars.get("step") != taken.step:
-        raise RuntimeError(f"the snapshot of step {taken.step} saw step {scalars.get('step')}: the update ran "
-                           "during its copy (a zeroray bug)")
-    # The generator as it was between the steps, in export_state's encoding (engine/state.py):
-    # the next step's forward may have drawn from it since.
-    scalars["rng"] = base64.b64encode(taken.rng.numpy().tobytes()).decode()
-    wire = {k: to_wire(v) for k, v in tensors.items()}
-    del tensors
-    if live:
-        on_release(list(wire.values()), released)
-    else:
-        released()
-    return {"tensors": wire, "scalars": scalars}, taken.untrained, {"step": taken.step}
-
-
-def on_release(values: List[Any], callback: Callable[[], None]) -> None:
-    """Call ``callback`` once every one of ``values`` is gone (on the thread that drops the last
-    reference); see [Note: overlapped snapshot copy]. The caller keeps no reference to them."""
-    left = [len(values)]
-    lock = threading.Lock()
-
-    def gone() -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            callback()
-    if not values:
-        callback()
-    for value in values:
-        weakref.finalize(value, gone)
-
-
-def needed_ranks(old_layout: FlatLayout, target: Tuple[Dict[str, Any], int], whole_params: bool = False) -> List[int]:
+def needed_ranks(old_layout: FlatLayout, target: Tuple[FlatLayout, int], whole_params: bool = False) -> List[int]:
     """The old ranks whose shards hold a new worker's slices, or its per-rank values, and with
     ``whole_params`` (an optimizer stepping whole parameters) the state of the parameters it owns."""
-    layout_dict, rank = target
-    new_layout = FlatLayout.from_dict(layout_dict)
+    new_layout, rank = target
     ranks = {c.src_rank for c in plan(old_layout, new_layout, rank)}
     ranks.add(min(rank, old_layout.world_size - 1))  # where a new rank takes its scalars (as a resize does)
     if whole_params:
         old_owner = param_owners(old_layout)
         ranks.update(old_owner[name] for name in owned_by(new_layout, rank))
     return sorted(ranks)
-
-
-def assemble(old_layout_dict: Dict[str, Any], target: Tuple[Dict[str, Any], int], shard_refs: List[Any],
-             untrained_refs: List[Any]) -> Tuple[Tuple[Dict[str, torch.Tensor], Dict[str, Any]], Dict[str, Any]]:
-    """A new worker's (tensors, scalars) and untrained state from a snapshot, fetching the old
-    shards it needs one at a time (``shard_refs[r]`` is None for the ones it does not need).
-    Raises what ``ray.get`` raises when a shard is lost."""
-    old_layout = FlatLayout.from_dict(old_layout_dict)
-    assembler = PieceAssembler(FlatLayout.from_dict(target[0]))
-    for old_rank, ref in enumerate(shard_refs):
-        if ref is None:
-            continue
-        shard = ray.get(ref)
-        tensors = {k: from_wire(v) for k, v in shard["tensors"].items()}
-        assembler.add(cut_pieces(old_layout, old_rank, tensors, shard["scalars"], [target])[0])
-        del shard, tensors  # before fetching the next: one old shard at a time
-    return assembler.state(), ray.get(untrained_refs[0])
-
-
-# --- the driver's side -------------------------------------------------------------------------
-
-
-def buddies(node_ids: List[str]) -> List[Optional[int]]:
-    """Per rank, its buddy ([Note: buddy copies]): the first rank after it (cyclically) whose
-    worker runs on another node; None where every other rank shares its node."""
-    n = len(node_ids)
-    return [next(((r + k) % n for k in range(1, n) if node_ids[(r + k) % n] != node_ids[r]), None)
-            for r in range(n)]
-
-
-class SnapshotKeeper:
-    """The complete snapshot of a fit, if any; see [Note: in-memory snapshots]."""
-
-    def __init__(self, every: Optional[int]) -> None:
-        self.every = every
-        self.complete: Optional[Snapshot] = None
-
-    def due(self, step: int) -> bool:
-        """Whether the step that ends at step count ``step`` is followed by a snapshot."""
-        return bool(self.every) and step % self.every == 0
-
-    def promote(self, snapshot: Snapshot, step: int, data_position: int) -> None:
-        """``snapshot`` (its records were waited for) is the complete one; the one before is released."""
-        snapshot.step, snapshot.data_position = step, data_position
-        self.complete = snapshot  # the old one's refs go with it: Ray frees its objects
-
-    def drop(self) -> None:
-        self.complete = None

@@ -1,8 +1,8 @@
 """``zr.Trainer``: the user's handle on a training run.
 
 It validates what the user passed, then hands every action to its ``Controller``
-(controller.py), the driver's state machine, which owns the worker group and the training
-state; ``fit`` runs in fit_loop.py on the same controller. See [Note: trainer states].
+(controller/controller.py), the driver's state machine, which owns the worker group and the training
+state; ``fit`` runs in fit/loop.py on the same controller. See [Note: trainer states].
 
 [Note: releasing at exit]
 A Trainer that is not shut down releases its actors and placement group when it is garbage
@@ -30,16 +30,16 @@ from zeroray.layout.arena import FlatLayout
 from zeroray.config import (AdamW, CheckpointConfig, FailureConfig, ScalingConfig, ZeroConfig,
                             validate_optimizer)
 from zeroray.runtime.auto_stage import first_batch, resolve_stage
-from zeroray.runtime.callbacks import Callback, Callbacks
 from zeroray.runtime.code_shipping import ship_by_value
-from zeroray.runtime.controller import Controller
-from zeroray.runtime.fit_eval import FitEvaluation
-from zeroray.runtime.fit_loop import run_fit
-from zeroray.runtime.messages import WorkerSpec
-from zeroray.runtime.optimizer_restore import PARTS, RestoreChoice, choose
-from zeroray.runtime.step import StepResult
+from zeroray.runtime.controller.controller import Controller
+from zeroray.runtime.fit.callbacks import Callback, Callbacks
+from zeroray.runtime.fit.evaluation import FitEvaluation
+from zeroray.runtime.fit.loop import run_fit
+from zeroray.runtime.records import CommReport, MemoryReport, NodeInfo, RecoveryRecord, WorkerSpec
+from zeroray.runtime.controller.optimizer_restore import PARTS, RestoreChoice
+from zeroray.runtime.execution.step import StepResult
 from zeroray.runtime.trainer_state import SHUT_DOWN, TrainerState
-from zeroray.runtime.worker_group import ensure_ray
+from zeroray.runtime.worker_group.placement import ensure_ray
 
 __all__ = ["Trainer", "StepResult", "TrainerState"]
 
@@ -63,20 +63,8 @@ class Trainer:
                  param_groups: Optional[Callable[[str, torch.nn.Parameter], dict]] = None,
                  scheduler: Optional[Callable[[Any], Any]] = None, metrics_path: Optional[str] = None,
                  _restore_from: Optional[Any] = None, _restore_choice: Optional[RestoreChoice] = None) -> None:
-        if not callable(model_fn):
-            raise ValueError("model_fn must be a callable () -> torch.nn.Module (a function or class), "
-                             f"got {type(model_fn).__name__}")
-        if not callable(loss_fn):
-            raise ValueError("loss_fn must be a callable (model, batch) -> scalar loss tensor, "
-                             f"got {type(loss_fn).__name__}")
-        optimizer = AdamW() if optimizer is None else optimizer
-        validate_optimizer(optimizer)
-        for name, value, cls in (("zero", zero, ZeroConfig), ("scaling", scaling, ScalingConfig),
-                                 ("failure", failure, FailureConfig), ("checkpoint", checkpoint, CheckpointConfig)):
-            if value is not None and not isinstance(value, cls):
-                raise ValueError(f"{name} must be a zr.{cls.__name__}(...), got {type(value).__name__}")
-        if not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
+        optimizer = _checked(model_fn, loss_fn, optimizer, zero=zero, scaling=scaling, failure=failure,
+                             checkpoint=checkpoint, seed=seed)
         self.zero = zero or ZeroConfig()
         self._scaling = scaling or ScalingConfig()
         self.failure = failure or FailureConfig()
@@ -115,7 +103,7 @@ class Trainer:
             spec = WorkerSpec(zero=self.zero, **self._spec)
             self._controller = Controller(spec, self._scaling, self.zero, spares=self.failure.spares)
             if self._restore_choice is not None:
-                self._controller.restore_choice = self._restore_choice
+                self._controller.checkpoints.restore_choice = self._restore_choice
             # Garbage collection of the Trainer releases its actors and placement group.
             self._finalizer = weakref.finalize(self, self._controller.slot.release)
             atexit.register(self._finalizer)  # before ray.shutdown at exit: [Note: releasing at exit]
@@ -133,7 +121,7 @@ class Trainer:
 
     @property
     def controller(self) -> Controller:
-        """The driver's state machine (controller.py); reading it starts the workers."""
+        """The driver's state machine (controller/controller.py); reading it starts the workers."""
         return self._start()
 
     # --- what the trainer knows (the controller owns it) -----------------------------------
@@ -172,12 +160,13 @@ class Trainer:
     @property
     def last_recovery_s(self) -> Optional[float]:
         """fit: seconds from the last worker failure to resuming."""
-        return self.controller.last_recovery_s
+        return self.controller.recovery.last_recovery_s
 
     @property
-    def recoveries(self) -> List[Dict[str, Any]]:
-        """fit: one record per restart after a worker failure (cause, timings, step, size)."""
-        return self.controller.recoveries
+    def recoveries(self) -> List[RecoveryRecord]:
+        """fit: one record per recovery after a worker failure (cause, timings, step, size, mode);
+        read as ``rec.mode`` or ``rec["mode"]`` ([Note: records read as mappings] in records.py)."""
+        return self.controller.recovery.recoveries
 
     @property
     def layout(self) -> FlatLayout:
@@ -188,8 +177,9 @@ class Trainer:
         return self.controller.num_workers
 
     @property
-    def workers(self) -> List[Dict[str, Any]]:
-        """Per worker: rank, node id, ip, pid, placement group id (where each actor runs)."""
+    def workers(self) -> List[NodeInfo]:
+        """Per worker: rank, node id, ip, pid, placement group id (where each actor runs); ``w.pid`` or
+        ``w["pid"]``."""
         return list(self.controller.group.nodes)
 
     def shutdown(self) -> None:
@@ -223,7 +213,7 @@ class Trainer:
         skipped (default: ``self.data_position``, the batches a restored checkpoint had consumed).
         With CheckpointConfig(every_steps=n) it saves every n steps; with FailureConfig(max_failures=k)
         a worker failure restarts from the last checkpoint and replays the data from there. The
-        next step is sent while the current one runs ([Note: pipelined steps] in fit_loop.py).
+        next step is sent while the current one runs ([Note: pipelined steps] in fit/loop.py).
 
         ``eval_data``: ``evaluate(eval_data, eval_metric_fn)`` runs every ``eval_every`` steps (if
         given) and once at the end, between complete steps; a ``ray.data.Dataset`` is read in
@@ -234,7 +224,7 @@ class Trainer:
         ``callbacks``: ``zr.Callback`` objects (the trackers of ``zeroray.tracking``, or your own)
         that fit calls on the driver as it starts, steps, evaluates, saves, recovers and ends
         (``on_step(result)`` for every step, after its checkpoint and evaluation): see
-        runtime/callbacks.py.
+        runtime/fit/callbacks.py.
         """
         hooks = Callbacks(callbacks)
         if eval_metric_fn is not None:
@@ -269,7 +259,7 @@ class Trainer:
             ship_by_value(metric_fn)
         data = self._start_for(data, batch_size)
         metrics = self.controller.evaluate(data, metric_fn, batch_size)
-        hooks.evaluation(self.controller.step_count, metrics)
+        hooks.emit("evaluation", self.controller.step_count, metrics)
         return metrics
 
     def run(self, fn: Callable, *args: Any) -> Any:
@@ -290,55 +280,24 @@ class Trainer:
 
     # --- inspection ------------------------------------------------------------------------
 
-    def _on_workers(self, method: str, *args: Any, ranks: Optional[List[int]] = None) -> List[Any]:
-        group = self.controller.group
-        return group.wait_all(group.call(method, *args, ranks=ranks), None, method, ranks=ranks)
-
-    def _assemble(self, names: List[str]) -> Dict[str, torch.Tensor]:
-        pieces = self._on_workers("master_pieces", names)
-        out = {}
-        for name in names:
-            slot = self.layout.slots[name]
-            flat = torch.zeros(slot.numel, dtype=torch.float32)
-            for rank_pieces in pieces:
-                lo, hi, t = rank_pieces[name]
-                if hi > lo:
-                    flat[lo:hi] = t
-            out[name] = flat.view(slot.shape)
-        return out
-
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """Consolidated fp32 parameters (and buffers), keys as ``model_fn().state_dict()``."""
-        params = self._assemble(self.layout.param_names)
-        untrained = self._on_workers("untrained_state", ranks=[0])[0]
-        out = {}
-        for key in self.controller.state_dict_keys:
-            if key in self.layout.slots:
-                out[key] = params[self.layout.slots[key].name].clone()
-            elif key in untrained:
-                out[key] = untrained[key]
-        return out
+        return self.controller.state_dict()
 
     def get_parameter(self, name: str) -> torch.Tensor:
         """One full parameter (fp32), gathered to the driver from the shards that hold it."""
-        if name in self.layout.slots:
-            return self._assemble([self.layout.slots[name].name])[self.layout.slots[name].name]
-        untrained = self._on_workers("untrained_state", ranks=[0])[0]
-        if name in untrained:
-            return untrained[name]
-        raise KeyError(f"no parameter or buffer named {name!r}; names are those of model.state_dict(), "
-                       f"e.g. {self.controller.state_dict_keys[:5]}")
+        return self.controller.parameter(name)
 
-    def comm_report(self) -> List[Dict[str, Any]]:
+    def comm_report(self) -> List[CommReport]:
         """Per worker, for the last step: bytes and calls per collective, exposed wait, prefetch hits
         (an ``evaluate`` or ``run`` after that step adds its own collectives and fetches to these)."""
-        return self._on_workers("comm_report")
+        return self.controller.on_workers("comm_report")
 
-    def memory_report(self) -> List[Dict[str, Any]]:
+    def memory_report(self) -> List[MemoryReport]:
         """Per worker: measured bytes by category next to the paper's estimate (see memory/report.py);
         ``snapshot_bytes``: what one in-memory snapshot of that worker's state holds in Ray's object
         store under FailureConfig(snapshot_every=K), outside the worker's process (1/N of the model states)."""
-        return self._on_workers("memory_report")
+        return self.controller.on_workers("memory_report")
 
     # --- checkpoints and resize ------------------------------------------------------------
 
@@ -359,21 +318,16 @@ class Trainer:
         restores them. ``optimizer=``, ``param_groups=`` or ``scheduler=`` replace the
         checkpoint's (the log says which hyperparameters change); the optimizer state still loads
         when it fits, and ``fresh_optimizer=True`` starts the optimizer and its scheduler over.
-        See [Note: restoring the optimizer] in runtime/optimizer_restore.py.
+        See [Note: restoring the optimizer] in runtime/controller/optimizer_restore.py.
 
         ``fallback=True``: load the newest checkpoint under ``path`` whose files all verify
         (sizes, sha256), skipping damaged ones (and, for a step directory, trying the older ones
         beside it); ``trainer.restored_from`` says which was loaded and ``trainer.skipped_checkpoints``
-        which were skipped and why (also logged as warnings). See runtime/restore.py."""
-        from zeroray.checkpoint import load_manifest
-        from zeroray.runtime.restore import check_has_candidates, load_newest_valid, newest_manifest
+        which were skipped and why (also logged as warnings). See runtime/controller/restore.py."""
+        from zeroray.runtime.controller.restore import load_newest_valid, restore_choice
 
-        if fallback:
-            check_has_candidates(path)
         # fail early, with the checkpoint's own error, before starting actors
-        manifest = newest_manifest(path) if fallback else load_manifest(path)
-        choice = choose(manifest.optimizer if manifest is not None else None, manifest.source if manifest else path,
-                        {k: kwargs.pop(k, None) for k in PARTS}, fresh_optimizer)
+        choice = restore_choice(path, fallback, {k: kwargs.pop(k, None) for k in PARTS}, fresh_optimizer)
         kwargs.update(optimizer=choice.optimizer, param_groups=choice.param_groups, scheduler=choice.scheduler)
         if not fallback:
             return cls(model_fn, loss_fn, _restore_from=path, _restore_choice=choice, **kwargs)
@@ -389,3 +343,23 @@ class Trainer:
         """Change the number of workers in place: the shards move from the old actors to the new
         ones through Ray's object store (no disk); training continues where it was."""
         self.controller.resize(num_workers)
+
+
+def _checked(model_fn: Any, loss_fn: Any, optimizer: Any, **configs: Any) -> Any:
+    """Trainer's arguments checked, each with what was wrong and what to pass; the optimizer to use."""
+    if not callable(model_fn):
+        raise ValueError("model_fn must be a callable () -> torch.nn.Module (a function or class), "
+                         f"got {type(model_fn).__name__}")
+    if not callable(loss_fn):
+        raise ValueError("loss_fn must be a callable (model, batch) -> scalar loss tensor, "
+                         f"got {type(loss_fn).__name__}")
+    optimizer = AdamW() if optimizer is None else optimizer
+    validate_optimizer(optimizer)
+    for name, cls in (("zero", ZeroConfig), ("scaling", ScalingConfig), ("failure", FailureConfig),
+                      ("checkpoint", CheckpointConfig)):
+        value = configs[name]
+        if value is not None and not isinstance(value, cls):
+            raise ValueError(f"{name} must be a zr.{cls.__name__}(...), got {type(value).__name__}")
+    if not isinstance(configs["seed"], int):
+        raise ValueError(f"seed must be an int, got {configs['seed']!r}")
+    return optimizer

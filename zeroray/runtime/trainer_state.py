@@ -1,6 +1,6 @@
 """What the trainer is doing (``TrainerState``) and the one table of the moves between states.
 
-The Controller (controller.py) holds one ``StateMachine`` and changes its state only through
+The Controller (controller/controller.py) holds one ``StateMachine`` and changes its state only through
 it; [Note: trainer states] there says which of its methods makes which move. Pure: testable
 without a cluster (tests/unit/test_trainer_state.py).
 """
@@ -11,7 +11,7 @@ from typing import Dict, FrozenSet
 
 
 class TrainerState(enum.Enum):
-    """What the trainer is doing; see [Note: trainer states] in controller.py."""
+    """What the trainer is doing; see [Note: trainer states] in controller/controller.py."""
 
     IDLE = "idle"
     STEPPING = "stepping"

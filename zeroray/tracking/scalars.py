@@ -20,8 +20,8 @@ import importlib
 from types import ModuleType
 from typing import Any, Dict, Optional
 
-from zeroray.runtime.callbacks import Callback
-from zeroray.runtime.step import StepResult
+from zeroray.runtime.fit.callbacks import Callback
+from zeroray.runtime.execution.step import StepResult
 
 
 def step_scalars(result: StepResult) -> Dict[str, float]:

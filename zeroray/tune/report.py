@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Optional
 
 from ray import tune
 
-from zeroray.runtime.callbacks import Callback
-from zeroray.runtime.step import StepResult
+from zeroray.runtime.fit.callbacks import Callback
+from zeroray.runtime.execution.step import StepResult
 from zeroray.tune.staging import Staging
 
 

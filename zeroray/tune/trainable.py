@@ -13,7 +13,7 @@ placement group back (``ray.util.get_current_placement_group()``: Tune starts th
 ``placement_group_capture_child_tasks``) and builds the Trainer with
 ``ScalingConfig(placement_group=pg, placement_bundles=...)``, so each worker actor goes into its
 bundle and nothing is placed outside the trial ([Note: given placement group] in
-runtime/worker_group.py). The worker count is read from the trial's bundles, not from the config:
+runtime/worker_group/placement.py). The worker count is read from the trial's bundles, not from the config:
 a trial whose resources Tune changed (``ResourceChangingScheduler``) or that was given another
 trial's checkpoint (PBT's exploit) restores it at its own count. Without this, a Trainer made
 inside a trial would make a placement group of its own next to the trial's: resources Tune

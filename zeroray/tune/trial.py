@@ -6,7 +6,7 @@ placement] in trainable.py), or, when Tune hands the trial a checkpoint (a pause
 resuming, a PBT exploit), restores it with ``zr.Trainer.restore`` at the trial's worker count;
 an optimizer given there replaces the checkpoint's hyperparameters where it changes them, while
 the optimizer state still loads (PBT's mutated ``lr`` takes effect: [Note: restoring the
-optimizer] in runtime/optimizer_restore.py). ``trial.fit(...)`` trains
+optimizer] in runtime/controller/optimizer_restore.py). ``trial.fit(...)`` trains
 to ``total_steps`` with a ``TuneReport`` callback (report.py). ``close`` (called by the trainable
 when the function returns, raises, or is stopped by Tune) shuts every Trainer it made down and
 removes the staging directory.
@@ -20,7 +20,7 @@ import ray
 from ray import tune
 
 from zeroray.config import ScalingConfig
-from zeroray.runtime.step import StepResult
+from zeroray.runtime.execution.step import StepResult
 from zeroray.runtime.trainer import Trainer
 from zeroray.tune.report import TuneReport
 from zeroray.tune.staging import Staging, zeroray_path

@@ -10,13 +10,16 @@ only the polls bypass it. A ticket with ``after_ok`` runs only if the call befor
 that is how a step queued behind a failing step is dropped (it returns ``Cancelled`` and never
 touches the engine) instead of training on after the error. Every number the driver hands out
 must reach the worker, or the calls behind it wait forever; a group whose calls fail to reach
-its workers is torn down (worker_group.py), which ends every waiting call with it.
+its workers is torn down (worker_group/group.py), which ends every waiting call with it.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -66,3 +69,33 @@ class Sequencer:
                 self._next += 1
                 self.busy = False
                 self._turn.notify_all()
+
+
+def engine_call(method: Optional[Callable] = None, *, waits_for_copy: bool = True) -> Callable:
+    """An actor method that touches the engine: called as ``method(ticket, *args)``, it runs in
+    its ticket's turn (see [Note: one engine call at a time]), and once the snapshot copy before
+    it is done ([Note: overlapped snapshot copy] in snapshot.py); ``waits_for_copy=False``: a
+    step, which waits for it only before its update."""
+    if method is None:
+        return functools.partial(engine_call, waits_for_copy=waits_for_copy)
+
+    def call(self: Any, ticket: Ticket, *args: Any, **kwargs: Any) -> Any:
+        self._arrived.at = time.time()  # before waiting for the turn: the step timeline's actor_start
+
+        def run() -> Any:
+            if waits_for_copy:
+                self._wait_copy()
+            return method(self, *args, **kwargs)
+        return self._sequencer.run(ticket, run)
+
+    call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    # What crosses the boundary (tests/unit/test_worker_boundary.py): the method's annotations, to
+    # be resolved in the method's module. No __wrapped__: Ray unwraps an actor method before it
+    # reads its signature, and would lose the ticket.
+    call.__annotations__, call.__module__ = method.__annotations__, method.__module__
+    # Ray checks call arguments against the signature: the same one, with the ticket first.
+    signature = inspect.signature(method)
+    params = list(signature.parameters.values())
+    call.__signature__ = signature.replace(parameters=[
+        params[0], inspect.Parameter("ticket", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params[1:]])
+    return call

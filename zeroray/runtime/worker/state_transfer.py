@@ -22,7 +22,7 @@ Ray's object store); the old workers stay alive until every new one has loaded.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -50,19 +50,21 @@ def from_wire(data: Any) -> torch.Tensor:
 
 
 def cut_pieces(old_layout: FlatLayout, old_rank: int, tensors: Mapping[str, torch.Tensor],
-               scalars: Dict[str, Any], targets: Sequence[Tuple[Dict[str, Any], int]]) -> List[Dict[str, Any]]:
+               scalars: Dict[str, Any], targets: Sequence[Tuple[Union[FlatLayout, Dict[str, Any]], int]]
+               ) -> List[Dict[str, Any]]:
     """Old rank ``old_rank``'s piece for every new worker; see [Note: resize transfer].
 
     ``tensors``/``scalars``: this rank's ``Engine.export_state()`` (shard coordinates of
-    ``old_layout``). ``targets[j]``: new worker ``j``'s ``Engine.state_layout()`` as
-    ``(layout dict, rank)``, the coordinates its ``import_state`` expects."""
+    ``old_layout``). ``targets[j]``: new worker ``j``'s ``Engine.state_layout()``, ``(layout,
+    rank)``, the coordinates its ``import_state`` expects; the layout as itself, or in its
+    ``to_dict()`` form as a checkpoint's manifest holds it."""
     sharded = {k: v for k, v in tensors.items() if is_sharded_key(k, v, old_layout.shard_numel)}
     owned = {k: v for k, v in tensors.items() if is_owned_key(k)}
     others = {k: v for k, v in tensors.items() if k not in sharded and k not in owned}
     names = set(old_layout.param_names)
     pieces = []
-    for layout_dict, rank in targets:
-        new_layout = FlatLayout.from_dict(layout_dict)
+    for target, rank in targets:
+        new_layout = target if isinstance(target, FlatLayout) else FlatLayout.from_dict(target)
         copies = [c for c in plan(old_layout, new_layout, rank) if c.src_rank == old_rank]
         wanted = set(owned_by(new_layout, rank))  # whole parameters' state goes to their new owner
         piece: Dict[str, Any] = {

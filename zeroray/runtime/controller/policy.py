@@ -1,6 +1,6 @@
 """Failure and scaling policies: small objects that return a decision and do nothing else.
 
-The fit loop (fit_loop.py) builds one of each per fit; the Controller acts on their decisions
+The Controller builds one of each per fit, at its first failure (``recover``), and acts on their decisions
 (``Controller.recover`` asks the FailurePolicy whether to restart, ``Controller._restart`` asks
 the ScalingPolicy how many workers to restart with, ``Controller._replace`` whether to go on with
 the survivors when no replacement can be placed). The policies are testable without a
@@ -78,7 +78,7 @@ class ScalingPolicy:
 
     def on_lost(self, survivors: int) -> Decision:
         """No replacement could be placed for the lost workers ([Note: shrink in memory] in
-        worker_group.py): go on with the survivors when they are at least min_workers (RESIZE to
+        worker_group/reform.py): go on with the survivors when they are at least min_workers (RESIZE to
         their number), else RESTART at the size ``on_restart`` decides."""
         if survivors >= self.minimum:
             return Decision(Action.RESIZE, f"no replacement could be placed: continue with the {survivors} "

@@ -1,6 +1,6 @@
 """The worker side of Ray Data input: one worker's split of a ``ray.data.Dataset``, read in local batches.
 
-``Worker.attach_data`` builds a ``LocalFeed`` on the split the driver cut for it (data.py,
+``Worker.attach_data`` builds a ``LocalFeed`` on the split the driver cut for it (fit/data.py,
 the driver side) and ``Worker.train_next`` takes one batch per step.
 
 [Note: Ray Data batches]
@@ -12,7 +12,7 @@ column) becomes one tensor of shape ``(rows, *shape)``. A column with no tensor 
 ``dataset.map_batches`` before fit. Every split holds the same number of rows
 (``equal=True``, which may drop up to ``num_workers - 1`` rows) and each worker drops its
 last partial batch, so all workers run out of batches on the same step. That is why the local
-batches are equal (``batch_size`` must divide by the number of workers; data.py refuses it
+batches are equal (``batch_size`` must divide by the number of workers; fit/data.py refuses it
 otherwise): with local batches of 6, 5 and 5 rows, equal splits would run out after different
 numbers of steps, and the workers that still had a batch would wait in the step's collectives for
 one that has none. A worker's micro-batches may still be uneven ([Note: uneven splits] in
@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from zeroray.runtime.messages import SplitInfo
+from zeroray.runtime.records import SplitInfo
 
 
 def to_tensors(columns: Dict[str, Any]) -> Dict[str, torch.Tensor]:

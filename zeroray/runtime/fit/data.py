@@ -1,9 +1,10 @@
-"""Ray Data input, the driver side: every worker pulls its own split of a ``ray.data.Dataset``.
+"""fit's data feeds (execution/pipeline.py's ``Feed``): the driver's own batches, or Ray Data input,
+where every worker pulls its own split of a ``ray.data.Dataset`` (``ray_data_feed``, the driver side).
 
 ``trainer.fit(dataset, batch_size=GLOBAL)`` cuts the dataset with
 ``dataset.streaming_split(num_workers, equal=True)``, in a fixed order ([Note: Ray Data
 replay]), and hands split ``r`` to worker ``r``, which iterates it itself in local batches of
-``GLOBAL // num_workers`` rows (local_feed.py, the worker side, and [Note: Ray Data batches]
+``GLOBAL // num_workers`` rows (worker/local_feed.py, the worker side, and [Note: Ray Data batches]
 there). Rows go from Ray Data's executor straight to the worker that trains on them, never
 through the driver; each step the driver only tells every worker "train on your next batch"
 (``train_next``). This side never imports the worker's, nor the worker this one.
@@ -31,33 +32,19 @@ One ``fit`` call is one pass at most: it stops when the splits run out.
 """
 from __future__ import annotations
 
-import sys
+import itertools
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
+from typing import Any, Optional
 
 from zeroray.engine.batch import split_sizes
-
-if TYPE_CHECKING:
-    from zeroray.runtime.step import PendingStep
-    from zeroray.runtime.worker_group import WorkerGroup
-
-
-class LocalStepSender(Protocol):
-    """What RayDataFeed needs of the Controller, which imports this module (for evaluation_batches)."""
-
-    def submit_local_step(self, *, after_ok: bool = False, tokens: Optional[int] = None) -> "PendingStep": ...
-
-
-def is_ray_dataset(data: Any) -> bool:
-    """Whether ``data`` is a ``ray.data.Dataset``, without importing ray.data (seconds) for a list."""
-    ray_data = sys.modules.get("ray.data")  # a Dataset exists only once ray.data was imported
-    return ray_data is not None and isinstance(data, ray_data.Dataset)
+from zeroray.runtime.data_source import is_ray_dataset
+from zeroray.runtime.execution.pipeline import Feed, StepPipeline
 
 
 def local_batch_size(global_batch_size: Any, num_workers: int, grad_accum_steps: int) -> int:
     """Each worker's local batch: ``global_batch_size / num_workers`` rows, which must be whole
-    ([Note: Ray Data batches] in local_feed.py says why a Ray Data split cannot be uneven); its
+    ([Note: Ray Data batches] in worker/local_feed.py says why a Ray Data split cannot be uneven); its
     micro-batches may be (6 rows over 4 micro-batches: 2, 2, 1, 1; [Note: uneven splits] in
     engine/batch.py)."""
     if not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size < 1:
@@ -93,55 +80,34 @@ def _in_fixed_order(dataset: Any) -> Any:
     return ordered
 
 
-def evaluation_batches(data: Any, dataset_batch_size: Optional[int]) -> Iterator[Any]:
-    """The global batches of ``trainer.evaluate``'s data: an iterable of them as it is, or a
-    ``ray.data.Dataset`` read on the driver in dicts of ``dataset_batch_size`` rows (the last
-    partial batch dropped, as fit drops it). Evaluation data is small next to training data, so
-    it goes through the driver rather than through per-worker splits."""
-    if is_ray_dataset(data):
-        if not isinstance(dataset_batch_size, int) or isinstance(dataset_batch_size, bool) or dataset_batch_size < 1:
-            raise ValueError("evaluate with a ray.data.Dataset needs batch_size= (the global batch size, in rows, "
-                             f"split over the workers), got {dataset_batch_size!r}")
-        return iter(data.iter_torch_batches(batch_size=dataset_batch_size, drop_last=True))
-    if dataset_batch_size is not None:
-        raise ValueError("evaluate: batch_size= is for a ray.data.Dataset; an iterable of global batches has the "
-                         "sizes of its batches")
-    try:
-        return iter(data)
-    except TypeError:
-        raise ValueError("evaluate needs an iterable of global batches (a list of tensors or of tuples/dicts of "
-                         f"tensors) or a ray.data.Dataset, got {type(data).__name__}") from None
-
-
-class RayDataFeed:
+def ray_data_feed(pipeline: StepPipeline, dataset: Any, global_batch_size: Optional[int], skip: int,
+                  grad_accum_steps: int) -> Feed:
     """fit's source of steps for a ``ray.data.Dataset``: each worker pulls its own split.
 
-    Cuts ``dataset`` with ``streaming_split(num_workers, equal=True)``, in a fixed order, over
-    ``group`` (the controller's current one) and attaches split ``r`` to worker ``r``, skipping
-    ``skip`` local batches ([Note: Ray Data replay]). ``submit`` sends one step on every worker's
-    next batch through the controller (None once the splits are known to be empty); ``close``
-    detaches the splits (fit closes the feed when it ends, and on recovery, when the group it
-    was attached to is already gone).
+    Cuts ``dataset`` with ``streaming_split(num_workers, equal=True)``, in a fixed order, and
+    attaches split ``r`` to worker ``r`` of the pipeline's group, skipping ``skip`` local
+    batches ([Note: Ray Data replay]). The pipeline then steps every worker on its split's next
+    batch (``send_local``) and detaches the splits when its run ends (on recovery too, when the
+    group they were attached to is already gone).
     """
+    num_workers = pipeline.num_workers
+    local = local_batch_size(global_batch_size, num_workers, grad_accum_steps)
+    feed_id = uuid.uuid4().hex
+    splits = _in_fixed_order(dataset).streaming_split(num_workers, equal=True)
+    infos = pipeline.attach(splits, local, skip, feed_id)  # a SplitInfo per worker
+    return Feed(feed_id=feed_id, tokens=sum(info.tokens for info in infos) or None,
+                empty=not all(info.has_next for info in infos))
 
-    def __init__(self, group: "WorkerGroup", dataset: Any, global_batch_size: Optional[int], skip: int,
-                 grad_accum_steps: int) -> None:
-        local = local_batch_size(global_batch_size, group.num_workers, grad_accum_steps)
-        self.group, self.feed_id = group, uuid.uuid4().hex
-        splits = _in_fixed_order(dataset).streaming_split(group.num_workers, equal=True)
-        infos = group.wait_all(group.call_each("attach_data", [(split, local, skip, self.feed_id) for split in splits]),
-                               None, "attach the Ray Data splits")  # a SplitInfo per worker
-        self.empty = not all(info.has_next for info in infos)
-        self.tokens = sum(info.tokens for info in infos) or None
 
-    def submit(self, controller: LocalStepSender, after_ok: bool) -> Optional["PendingStep"]:
-        """A PendingStep on every worker's next local batch, or None when the splits are empty."""
-        if self.empty:
-            return None
-        return controller.submit_local_step(after_ok=after_ok, tokens=self.tokens)
+def feed_for(pipeline: StepPipeline, data: Any, batch_size: Optional[int]) -> Feed:
+    """fit's source of steps for ``data`` on ``pipeline``, from its data position: a Ray Data feed
+    (every worker pulls its own split) or the driver's own batches, sent by the pipeline one by one."""
+    skip = pipeline.position.data_position
+    if is_ray_dataset(data):
+        return ray_data_feed(pipeline, data, batch_size, skip, pipeline.zero.grad_accum_steps)
+    return Feed(batches=itertools.islice(iter(data), skip, None))
 
-    def close(self) -> None:
-        try:  # best effort: the group may be shut down already
-            self.group.call("detach_data", self.feed_id)
-        except Exception:  # noqa: BLE001
-            pass
+
+def replayable(data: Any) -> bool:
+    """Whether fit can iterate ``data`` again after a failure ([Note: data replay] in fit/loop.py)."""
+    return is_ray_dataset(data) or iter(data) is not data

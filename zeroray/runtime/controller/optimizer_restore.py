@@ -41,6 +41,7 @@ from zeroray.engine.optim import group_table
 from zeroray.engine.optim_rebuild import (RebuildError, check_scheduler, rebuild_optimizer, rebuild_param_groups,
                                           rebuild_scheduler)
 from zeroray.engine.optim_record import check_record, name_list, probe, probe_state_keys
+from zeroray.runtime.records import OptimizerPlan
 
 log = logging.getLogger("zeroray")
 
@@ -70,8 +71,8 @@ class LoadPlan:
     fresh_optimizer: bool = False
     lines: Tuple[str, ...] = ()
 
-    def for_workers(self) -> Dict[str, Any]:
-        return {"groups": self.groups, "scheduler": self.scheduler, "fresh_optimizer": self.fresh_optimizer}
+    def for_workers(self) -> OptimizerPlan:
+        return OptimizerPlan(self.groups, self.scheduler, self.fresh_optimizer)
 
 
 def choose(record: Optional[Mapping[str, Any]], source: Any, given: Mapping[str, Any],

@@ -11,10 +11,11 @@ verification fails on its own and leaves the group usable for the next candidate
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from zeroray.checkpoint import CheckpointError, Manifest, SkippedCheckpoint, load_manifest, restore_candidates
-from zeroray.runtime.controller import Controller
+from zeroray.runtime.controller.optimizer_restore import RestoreChoice, choose
+from zeroray.runtime.controller.controller import Controller
 
 log = logging.getLogger("zeroray")
 
@@ -30,7 +31,7 @@ def check_has_candidates(path: Any) -> None:
 
 def newest_manifest(path: Any) -> Optional[Manifest]:
     """The manifest of the newest candidate under ``path`` that reads (what a fallback restore
-    builds its optimizer from: runtime/optimizer_restore.py), or None."""
+    builds its optimizer from: runtime/controller/optimizer_restore.py), or None."""
     for step_dir in restore_candidates(path)[0]:
         try:
             return load_manifest(step_dir)
@@ -57,3 +58,14 @@ def load_newest_valid(controller: Controller, path: Any) -> Tuple[Any, List[Skip
         return step_dir, skipped
     reasons = "\n".join(f"  {s.path}: {s.reason}" for s in skipped)
     raise CheckpointError(f"{path}: no checkpoint there verifies, so there is nothing to restore:\n{reasons}")
+
+
+def restore_choice(path: Any, fallback: bool, given: Dict[str, Any], fresh_optimizer: bool) -> RestoreChoice:
+    """What ``Trainer.restore`` builds its optimizer from, read from the checkpoint at ``path``
+    (with ``fallback``, the newest that has a manifest) before any worker starts, so a checkpoint
+    that cannot be read fails with its own error; ``given``: the optimizer parts the caller passed."""
+    if fallback:
+        check_has_candidates(path)
+    manifest = newest_manifest(path) if fallback else load_manifest(path)
+    return choose(manifest.optimizer if manifest is not None else None, manifest.source if manifest else path,
+                  given, fresh_optimizer)

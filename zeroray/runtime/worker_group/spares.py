@@ -2,8 +2,8 @@
 
 A spare is ``(actor, its slot, its warm call's ref)``, kept by the WorkerGroup in start order;
 a slot is ``(placement group, bundle index)`` (None: outside any). See [Note: replace, don't
-restart] in worker_group.py for why spares exist and when they are started, and [Note: spare
-placement] for where.
+restart] in worker_group/reform.py for why spares exist and when they are started, and [Note: spare
+placement] in placement.py for where.
 """
 from __future__ import annotations
 

@@ -2,15 +2,13 @@
 
 The actor is threaded: every call that touches the engine takes a ``Ticket`` and runs in the
 order the driver numbered it, one at a time (see [Note: one engine call at a time] in
-sequencer.py), while the polls (``node_info``, ``free_port``, ``progress``) run on a thread
+worker/sequencer.py), while the polls (``node_info``, ``free_port``, ``progress``) run on a thread
 of their own (the ``control`` concurrency group) and are answered during a step: the driver
 can tell a slow step from a dead worker, and name the ranks that did not reach a collective.
 """
 from __future__ import annotations
 
-import functools
 import gc
-import inspect
 import logging
 import os
 import socket
@@ -23,49 +21,24 @@ import torch
 
 from zeroray.memory.process import ProcessMemory, current_rss_bytes
 from zeroray.runtime.batch_transport import unpack
-from zeroray.runtime.messages import Hops, SetupInfo, SplitInfo, StepOutput, WorkerSpec
-from zeroray.runtime.sequencer import Cancelled, Sequencer, Ticket
+from zeroray.layout.arena import FlatLayout
+from zeroray.runtime.records import (CommReport, ExportDone, Hops, MemoryReport, NodeInfo, OptimizerPart,
+                                     OptimizerPlan, SavedShard, SetupInfo, SplitInfo, StepRecord, WorkerProgress,
+                                     WorkerSpec)
+from zeroray.runtime.worker.sequencer import Sequencer, engine_call
+from zeroray.runtime.worker.snapshot_side import SnapshotCalls
 
 log = logging.getLogger("zeroray")
 
-# Concurrency groups of the actor class (worker_group.py passes them to ray.remote): the engine
+# Concurrency groups of the actor class (worker_group/group.py passes them to ray.remote): the engine
 # calls wait for their turn on the default group's threads (a running step, the step queued
 # behind it, a save or a report behind that), the polls never wait behind them.
 ENGINE_THREADS = 4
 # warm: a spare's imports; copy: a buddy's copy of a snapshot shard; neither in the polls' way.
 CONCURRENCY_GROUPS = {"control": 1, "warm": 1, "copy": 1}
-# How long an engine call waits for a snapshot's arrays to be let go of before it runs the
-# cycle collector (see Worker._wait_copy).
-RELEASE_POLL_S = 10.0
 
 
-def engine_call(method: Optional[Callable] = None, *, waits_for_copy: bool = True) -> Callable:
-    """An actor method that touches the engine: called as ``method(ticket, *args)``, it runs in
-    its ticket's turn (see [Note: one engine call at a time]), and once the snapshot copy before
-    it is done ([Note: overlapped snapshot copy] in snapshot.py); ``waits_for_copy=False``: a
-    step, which waits for it only before its update."""
-    if method is None:
-        return functools.partial(engine_call, waits_for_copy=waits_for_copy)
-
-    def call(self: "Worker", ticket: Ticket, *args: Any, **kwargs: Any) -> Any:
-        self._arrived.at = time.time()  # before waiting for the turn: the step timeline's actor_start
-
-        def run() -> Any:
-            if waits_for_copy:
-                self._wait_copy()
-            return method(self, *args, **kwargs)
-        return self._sequencer.run(ticket, run)
-
-    call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
-    # Ray checks call arguments against the signature: the same one, with the ticket first.
-    signature = inspect.signature(method)
-    params = list(signature.parameters.values())
-    call.__signature__ = signature.replace(parameters=[
-        params[0], inspect.Parameter("ticket", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params[1:]])
-    return call
-
-
-class Worker:
+class Worker(SnapshotCalls):
     """One rank of a worker group: its collective group membership, its Engine, its Ray Data split."""
 
     def __init__(self, rank: int, world_size: int, threads: int, use_gpu: bool) -> None:
@@ -81,18 +54,18 @@ class Worker:
         # A spare's throwaway build (warm) and its real one (setup) both touch torch's global state
         # (the default generator, seeded by every Engine): never at once.
         self._building = threading.Lock()
-        self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/local_feed.py)
+        self.feed = None  # this worker's Ray Data split while fit(dataset) runs (runtime/worker/local_feed.py)
         self.memory = ProcessMemory()  # before the model: the baseline; engine work on one thread
 
     # --- polls: answered at any time, never wait for the engine -------------------------------
 
     @ray.method(concurrency_group="control")
-    def node_info(self) -> Dict[str, Any]:
+    def node_info(self) -> NodeInfo:
         ctx = ray.get_runtime_context()
-        return {"rank": self.rank, "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "host": socket.gethostname(),
-                "gpu_ids": ray.get_gpu_ids() if self.use_gpu else [],
-                "placement_group_id": ctx.get_placement_group_id()}  # zeroray.tune checks it is the trial's
+        return NodeInfo(rank=self.rank, node_id=ctx.get_node_id(), ip=ray.util.get_node_ip_address(),
+                        pid=os.getpid(), host=socket.gethostname(),
+                        gpu_ids=tuple(ray.get_gpu_ids()) if self.use_gpu else (),
+                        placement_group_id=ctx.get_placement_group_id())  # zeroray.tune checks it is the trial's
 
     @ray.method(concurrency_group="control")
     def free_port(self) -> int:
@@ -101,24 +74,24 @@ class Worker:
         return free_port()
 
     @ray.method(concurrency_group="control")
-    def progress(self) -> Dict[str, Any]:
+    def progress(self) -> WorkerProgress:
         """How far this rank got in the current step, so the driver can name the ranks that did
         not reach a collective. Reads counters the step thread updates: a snapshot, not a lock."""
         counter = self.group.counter if self.group is not None else None
         calls = sum(s.calls for s in list(counter.collectives.values())) if counter is not None else 0
-        return {"rank": self.rank, "step": self.engine.step_count if self.engine is not None else None,
-                "collectives": calls, "busy": self._sequencer.busy}
+        return WorkerProgress(rank=self.rank, step=self.engine.step_count if self.engine is not None else None,
+                              collectives=calls, busy=self._sequencer.busy)
 
     @ray.method(concurrency_group="warm")
     def warm(self, spec: WorkerSpec) -> str:
-        """A spare's start ([Note: replace, don't restart] in worker_group.py): load now what the
+        """A spare's start ([Note: replace, don't restart] in worker_group/reform.py): load now what the
         first build of an engine would load, so that taking the spare costs only the rendezvous
         and the build itself. Receiving ``spec`` imports the modules of the model and loss code;
         a throwaway engine over a tiny model, alone in a group of one, with the spec's stage and
         optimizer, imports and first-runs the engine's code (the first torch optimizer imports
         torch._dynamo). Returns this worker's node id (the driver skips a spare whose node is gone).
         A new worker put in a lost rank (it has a rank) only imports: the driver waits for that
-        before the re-form's rendezvous ([Note: rendezvous timeout] in worker_group.py)."""
+        before the re-form's rendezvous ([Note: rendezvous timeout] in worker_group/reform.py)."""
         from zeroray.comm.group import SoloGroup
         from zeroray.config import ZeroConfig
         from zeroray.engine.engine import Engine
@@ -136,17 +109,6 @@ class Worker:
                             type(error).__name__, error)
         return ray.get_runtime_context().get_node_id()
 
-    @ray.method(concurrency_group="copy")
-    def hold_copy(self, shard_refs: List[Any]) -> None:
-        """Fetch another rank's snapshot shard into this node's object store and hold it there
-        until the next one ([Note: buddy copies] in runtime/snapshot.py). The ref arrives in a
-        list so that Ray does not fetch it before the call; a shard lost already is skipped."""
-        self._copy = None  # the previous copy goes first: one held at a time
-        try:
-            self._copy = ray.get(shard_refs[0])
-        except Exception:  # noqa: BLE001 - nothing to copy; the snapshot's own copy decides
-            self._copy = None
-
     # --- wiring ----------------------------------------------------------------------------
 
     @engine_call
@@ -155,8 +117,8 @@ class Worker:
         """Join the collective group and build this rank's engine. Again, after a failure: leave
         the broken group and drop the engine first, and take ``rank`` (a spare's first setup) and
         ``world_size`` (a group shrunk to its survivors); see [Note: replace, don't restart] and
-        [Note: shrink in memory] in worker_group.py. ``rendezvous_timeout_s``: how long joining
-        may take (default: the collective timeout), see [Note: rendezvous timeout] in worker_group.py."""
+        [Note: shrink in memory] in worker_group/reform.py. ``rendezvous_timeout_s``: how long joining
+        may take (default: the collective timeout), see [Note: rendezvous timeout] in worker_group/reform.py."""
         from zeroray.comm.group import make_torch_group
         from zeroray.comm.user_group import join_default_group
         from zeroray.engine.engine import Engine
@@ -208,19 +170,16 @@ class Worker:
     # --- training --------------------------------------------------------------------------
 
     @engine_call(waits_for_copy=False)
-    def train_step(self, batch: Any, global_rows: Optional[int] = None) -> StepOutput:
+    def train_step(self, batch: Any, global_rows: Optional[int] = None) -> StepRecord:
         """One step on this rank's share of the global batch (a PackedBatch, see batch_transport.py)
         of ``global_rows`` rows ([Note: uneven splits] in engine/batch.py)."""
         return self._step(unpack(batch), global_rows)
 
-    def _step(self, batch: Any, global_rows: Optional[int] = None) -> StepOutput:
+    def _step(self, batch: Any, global_rows: Optional[int] = None) -> StepRecord:
         t_engine = time.time()
         stats = self.memory.step(self.engine.train_step, batch, before_update=self._wait_copy,
                                  global_rows=global_rows)
-        t_engine_end = time.time()
-        return StepOutput(loss=stats.loss, grad_norm=stats.grad_norm, step=stats.step, skipped=stats.skipped,
-                          loss_scale=stats.loss_scale, time_s=stats.time_s,
-                          hops=Hops(self._arrived.at, t_engine, t_engine_end))
+        return StepRecord(stats, Hops(self._arrived.at, t_engine, time.time()))
 
     # --- evaluation and inference ([Note: inference calls] in engine/inference.py) --------------------
 
@@ -235,18 +194,18 @@ class Worker:
         result = self.memory.step(self.engine.run, fn, *args)
         return result if self.rank == 0 else None
 
-    # --- Ray Data input (runtime/local_feed.py; the driver's side: runtime/data.py) -------------
+    # --- Ray Data input (runtime/worker/local_feed.py; the driver's side: runtime/fit/data.py) -------------
 
     @engine_call
     def attach_data(self, split: Any, batch_size: int, skip: int, feed_id: str) -> SplitInfo:
         """Take this rank's split of a ray.data.Dataset and skip ``skip`` local batches."""
-        from zeroray.runtime.local_feed import LocalFeed
+        from zeroray.runtime.worker.local_feed import LocalFeed
 
         self.feed = LocalFeed(split, batch_size, skip, feed_id)
         return self.feed.peek_info()
 
     @engine_call(waits_for_copy=False)
-    def train_next(self) -> Optional[StepOutput]:
+    def train_next(self) -> Optional[StepRecord]:
         """One step on this rank's next local batch; None (no step) when the split has run out."""
         if self.feed is None:
             raise RuntimeError("train_next: no Ray Data split is attached to this worker")
@@ -261,7 +220,8 @@ class Worker:
     # --- inspection ------------------------------------------------------------------------
 
     @engine_call
-    def master_pieces(self, names: Optional[List[str]] = None) -> Dict[str, Any]:
+    def master_pieces(self, names: Optional[List[str]] = None) -> Dict[str, Tuple[int, int, torch.Tensor]]:
+        """(lo, hi, fp32 values) of each named parameter's flat elements this rank holds."""
         names = names if names is not None else self.engine.layout.param_names
         return {n: self.engine.master_piece(n) for n in names}
 
@@ -270,129 +230,57 @@ class Worker:
         return self.engine.untrained_state()
 
     @engine_call
-    def comm_report(self) -> Dict[str, Any]:
-        report = self.group.counter.as_dict()
-        report["rank"] = self.rank
-        report.update(self.engine.fetch_stats())
-        report.update(self.engine.bucket_stats())
-        return report
+    def comm_report(self) -> CommReport:
+        return CommReport(rank=self.rank, details={**self.group.counter.as_dict(), **self.engine.fetch_stats(),
+                                                   **self.engine.bucket_stats()})
 
     @engine_call
-    def memory_report(self) -> Dict[str, Any]:
+    def memory_report(self) -> MemoryReport:
         from zeroray.memory.report import measure
 
-        report = measure(self.engine, self.memory.report())
-        report["rank"] = self.rank
-        report["rss_bytes"] = current_rss_bytes()  # before the export below, which may allocate copies
+        measured = measure(self.engine, self.memory.report())
+        rss = current_rss_bytes()  # before the export below, which may allocate copies
         # What one in-memory snapshot of this rank takes in the object store, outside this process
         # (FailureConfig(snapshot_every), [Note: in-memory snapshots]): 1/N of the model states.
         tensors, _ = self.engine.export_state(live=True)  # only the sizes are read
-        report["snapshot_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
-        return report
+        return MemoryReport(rank=self.rank, rss_bytes=rss,
+                            snapshot_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                            details=measured)
 
     # --- state -----------------------------------------------------------------------------
 
     @engine_call
-    def export_pieces(self, targets: List[Tuple[Dict[str, Any], int]]) -> Tuple[Any, ...]:
+    def export_pieces(self, targets: List[Tuple[FlatLayout, int]]) -> Tuple[Any, ...]:
         """Resize, old side: one piece of this rank's state per new worker ([Note: resize transfer]),
         then a small record (the step count) the driver waits on. Called with num_returns=M+1."""
-        from zeroray.runtime.state_transfer import cut_pieces
+        from zeroray.runtime.worker.state_transfer import cut_pieces
 
         # live: cut_pieces copies what it sends, within this call's turn (no update runs beside it)
         tensors, scalars = self.engine.export_state(live=True)
         pieces = cut_pieces(self.engine.layout, self.rank, tensors, scalars, targets)
-        return (*pieces, {"step": self.engine.step_count})
-
-    def snapshot_shard(self, ticket: Ticket) -> Tuple[Any, Any, Any]:
-        """fit's in-memory snapshot of this rank's state ([Note: in-memory snapshots] in
-        runtime/snapshot.py): (shard, rank 0's untrained state or None, a small record), three
-        Ray objects the driver owns. Called with num_returns=3 and ``after_ok`` behind the step
-        it captures; not ``engine_call`` only so that a cancelled call still returns three
-        values. Its turn only captures what the next step's forward may change; the state is
-        exported after the turn, beside that forward, and Ray's store of it is the copy
-        ([Note: overlapped snapshot copy])."""
-        from zeroray.runtime.snapshot import Capture, capture, copy_shard
-
-        self._arrived.at = time.time()
-        done = threading.Event()
-
-        def take() -> Any:
-            self._wait_copy()  # the snapshot before (none is taken twice without a step between)
-            taken = capture(self.engine, self.rank)
-            if self.engine.zero.offload is not None:  # the disk tier reads and writes beside the next step
-                return copy_shard(taken, released=lambda: None)
-            self._copy_done = done
-            return taken
-        out = self._sequencer.run(ticket, take)
-        if isinstance(out, Cancelled):
-            return out, None, out
-        if not isinstance(out, Capture):
-            return out
-        try:
-            # The shard may hold views of the live state: ``done`` is set once Ray has stored
-            # them, after this method returned ([Note: overlapped snapshot copy]).
-            return copy_shard(out, released=done.set)
-        except BaseException:
-            done.set()  # nothing of the live state was returned
-            raise
-
-    def _wait_copy(self) -> None:
-        """Wait for the snapshot copy in progress, if any, to be stored ([Note: overlapped snapshot
-        copy] in runtime/snapshot.py)."""
-        done = self._copy_done
-        if done is None:
-            return
-        # Ray lets go of the returned arrays right after storing them. Were they caught in a
-        # reference cycle instead (a failed store's traceback), only the cycle collector frees them.
-        while not done.wait(RELEASE_POLL_S):
-            gc.collect()
+        return (*pieces, ExportDone(self.engine.step_count))
 
     @engine_call
-    def stage_snapshot(self, old_layout: Dict[str, Any], shard_refs: List[Any], untrained_refs: List[Any]
-                       ) -> Optional[str]:
-        """Recovery, first half: fetch and assemble this rank's state from a snapshot (no
-        collective). None when done; what went wrong when a shard is lost (the driver then falls
-        back to the disk checkpoint, with no worker left waiting in a collective)."""
-        from zeroray.runtime.snapshot import assemble
-
-        layout, rank = self.engine.state_layout()
-        try:
-            self._staged = assemble(old_layout, (layout.to_dict(), rank), shard_refs, untrained_refs)
-        except Exception as error:  # noqa: BLE001 - reported to the driver, which falls back
-            self._staged = None
-            return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        return None
-
-    @engine_call
-    def apply_snapshot(self) -> int:
-        """Recovery, second half: import the staged state (collective at stages 1-2)."""
-        (tensors, scalars), untrained = self._staged
-        self._staged = None
-        self.engine.import_state(tensors, scalars)
-        self.engine.import_untrained(untrained)
-        return self.engine.step_count
-
-    @engine_call
-    def save_shard(self, root: str, step: int) -> Tuple[Any, Any]:
+    def save_shard(self, root: str, step: int) -> SavedShard:
         from zeroray.checkpoint import write_extra, write_shard
 
         # live: written before this call returns, within its turn (no update runs beside it)
         tensors, scalars = self.engine.export_state(live=True)
         info = write_shard(root, step, self.rank, tensors, scalars)
         extra = write_extra(root, step, self.engine.untrained_state()) if self.rank == 0 else None
-        return info, extra, self.engine.optimizer_record()
+        return SavedShard(info, extra, OptimizerPart(self.engine.optimizer_record()))
 
     @engine_call
-    def optimizer_record(self) -> Dict[str, Any]:
+    def optimizer_record(self) -> OptimizerPart:
         """This rank's part of the optimizer record, as built ([Note: optimizer record] in engine/optim_record.py)."""
-        return self.engine.optimizer_record()
+        return OptimizerPart(self.engine.optimizer_record())
 
     @engine_call
-    def load_checkpoint(self, path: str, optimizer_plan: Optional[Dict[str, Any]] = None) -> int:
+    def load_checkpoint(self, path: str, optimizer_plan: Optional[OptimizerPlan] = None) -> int:
         """This rank's slices of the checkpoint, and the replicated buffers and frozen parameters
         (its extra tensors, which ``save_shard`` writes from ``untrained_state``); the optimizer's
         hyperparameters and scheduler state as ``optimizer_plan`` says ([Note: restoring the
-        optimizer] in runtime/optimizer_restore.py)."""
+        optimizer] in runtime/controller/optimizer_restore.py)."""
         from zeroray.checkpoint import load_extra, load_resharded
         from zeroray.engine.optim_record import with_plan
 
@@ -406,7 +294,7 @@ class Worker:
 
     @engine_call
     def verify_files(self, step_dir: Any, names: List[str]) -> None:
-        """Check this worker's share of a checkpoint's files (runtime/restore.py)."""
+        """Check this worker's share of a checkpoint's files (runtime/controller/restore.py)."""
         from zeroray.checkpoint import verify_files
 
         verify_files(step_dir, names)
@@ -416,7 +304,7 @@ class Worker:
         """Resize, new side: this rank's state from the old workers' pieces for it, fetched one at a
         time (the refs arrive in a list, so Ray does not fetch them all before the call), and the
         old rank 0's buffers and frozen parameters (``untrained_state``)."""
-        from zeroray.runtime.state_transfer import PieceAssembler
+        from zeroray.runtime.worker.state_transfer import PieceAssembler
 
         layout, _ = self.engine.state_layout()
         assembler = PieceAssembler(layout)

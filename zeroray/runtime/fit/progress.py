@@ -133,6 +133,15 @@ class Progress:
                 self._log_line()
         self._record(record)
 
+    def on_collected(self, result: Any, tokens: Optional[int]) -> None:
+        """fit reports a collected step (fit/callbacks.py's ``emit``) with its batch's tokens, when known."""
+        if tokens is not None:  # each step's own: batches may change shape between steps
+            self.tokens_per_step = tokens
+        self.update(result)
+
+    def on_evaluation(self, step: int, metrics: Dict[str, float]) -> None:
+        self.evaluation(step, metrics)
+
     def evaluation(self, step: int, metrics: Dict[str, float]) -> None:
         """fit's evaluation after step ``step``: ``metrics`` is evaluate's ``{"loss": ..., **metrics}``."""
         values = {f"eval_{k}": v for k, v in metrics.items()}

@@ -1,0 +1,1 @@
+"""fit: the loop over the step pipeline, its data feeds, evaluations and progress."""
