@@ -55,11 +55,10 @@ class Reference:
     eval_outputs: List[torch.Tensor] = field(default_factory=list)  # per worker: its rows' logits
 
 
-def reference_run(case: Case, reorder: Tuple[bool, ...] = (False, False, False)) -> Reference:
+def reference_run(case: Case, reorder: Tuple[bool, bool, bool] = (False, False, False)) -> Reference:
     """The oracle's run. ``reorder`` = (reversed, unscaled, norm_in_fp64) sums the same gradients
     in another order: the workers' parts in reverse order, and/or each part's loss backpropagated
-    unscaled
-    with the gradients scaled after the step's backward, and/or the clipping norm summed in
+    unscaled with the gradients scaled after the step's backward, and/or the clipping norm summed in
     float64 over the parameters in reverse order instead of by ``clip_grad_norm_`` (zeroray sums
     it in another order by design, ``squared_norm``; at one part per step the other two orders
     change nothing, and torch's bf16 Muon turns a one-ulp difference of the clip coefficient
@@ -112,7 +111,7 @@ def reference_run(case: Case, reorder: Tuple[bool, ...] = (False, False, False))
         _load_buffers(model, buffers[0])
         out.unused.append([n for n, p in named if p.grad is None])
         max_norm = config.zero.get("max_grad_norm") or float("inf")
-        out.norms.append(_clip_in_fp64(params, max_norm) if len(reorder) > 2 and reorder[2]
+        out.norms.append(_clip_in_fp64(params, max_norm) if reorder[2]
                          else float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         opt.step()
         if scheduler is not None:
@@ -166,12 +165,13 @@ def _clip_in_fp64(params: List[torch.Tensor], max_norm: float) -> float:
     """``clip_grad_norm_``'s rule with the norm summed in another order: float64, the parameters
     reversed. Returns the norm before clipping, as ``clip_grad_norm_`` does."""
     grads = [p.grad for p in reversed(params) if p.grad is not None]
-    norm = float(sum(g.double().pow(2).sum() for g in grads) ** 0.5) if grads else 0.0
-    coef = max_norm / (float(torch.tensor(norm, dtype=torch.float32)) + 1e-6)
+    norm = float(torch.tensor(float(sum(g.double().pow(2).sum() for g in grads) ** 0.5) if grads else 0.0,
+                              dtype=torch.float32))  # rounded to fp32, as clip_grad_norm_'s
+    coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         for g in grads:
             g.mul_(coef)
-    return float(torch.tensor(norm, dtype=torch.float32))
+    return norm
 
 
 def _rel(a: float, b: float) -> float:
