@@ -70,8 +70,11 @@ def _sweep(cluster: LocalCluster, args: list, cwd: Path) -> dict:
     assert out.returncode == 0 and lines, f"rc {out.returncode}:\n{out.stdout[-5000:]}\n{out.stderr[-5000:]}"
     report = json.loads(lines[-1][len(MARKER):])
     checks = report["checks"]
-    assert checks["worker_actors"] > 0 and not checks["workers_outside_trial_groups"], checks
+    assert checks["worker_actors"] > 0 and checks["trial_groups"] > 0, checks
+    assert not checks["workers_outside_trial_groups"], checks
     assert not checks["trial_groups_with_wrong_worker_count"], checks
+    assert not checks["reported_groups_not_trial_groups"], checks
+    assert not checks["reported_groups_with_wrong_worker_count"], checks
     assert not any(checks["leftovers"].values()), checks["leftovers"]
     return report
 
@@ -121,7 +124,10 @@ def test_pbt_exploited_trial_equals_a_restore_by_hand(cluster, tmp_path, ray_loc
     checkpoint = next(p for p in clone["restored_from"] if p.startswith(source["path"] + os.sep))
     after = [r for r in rows if r["restored_from"] == checkpoint]
     lr = after[0]["config"]["lr"]
-    assert lr != rows[0]["config"]["lr"] and all(r["config"]["lr"] == lr for r in after)  # mutated, then kept
+    # mutated from the cloned trial's lr (PBT: times 0.8 or 1.2), then kept. Not judged against the
+    # trial's first rows: Tune may lose a restarted trial's earlier rows (tests/e2e/tune_driver.py)
+    assert any(lr == pytest.approx(source["lr"] * f, rel=1e-9) for f in (0.8, 1.2)), (lr, source["lr"])
+    assert all(r["config"]["lr"] == lr for r in after)
     saved_step = json.loads(Path(checkpoint, "manifest.json").read_text())["step"]
     tuned = {r["step"]: r["loss"] for r in after}
     assert min(tuned) == saved_step + 1 and max(tuned) == report["steps"], sorted(tuned)

@@ -3,7 +3,14 @@ RAY_ADDRESS names, then check the cluster from here, while this driver's job sti
 state API; the cluster runs the dashboard it needs):
 
 - placement: every zeroray worker actor of the run ran in a trial's placement group, and each
-  trial's placement group (one per start of the trial) held exactly its num_workers workers;
+  trial's placement group (one per start of the trial) held exactly its workers. A trial's
+  placement group is read from Ray's state, not from the trial's results: the group that holds
+  the trial's own (Tune trainable) actor, whose bundles after the first are the workers'. The
+  results are no record of every start: when Tune restarts a trial from a checkpoint (PBT's
+  pause and exploit), its JSON logger first copies the trial's result.json back from the
+  storage path, and rows written to the staging copy since the last sync are lost;
+- the placement groups the trials reported (a ``placement_group`` in each result) are among
+  those, each with the trial's reported num_workers workers;
 - nothing left: no actor of this job alive and no placement group of it not removed, once
   ``Tuner.fit`` returned (stopped and exploited trials included).
 
@@ -50,18 +57,33 @@ def _leftovers(job: str, timeout_s: float = 60.0) -> dict:
     return found
 
 
+def _trial_groups(groups: set) -> dict:
+    """Per trial placement group (one holding a trial's own actor): its worker bundles, every bundle
+    after the trial actor's first one."""
+    found = {g.placement_group_id: g for g in list_placement_groups(detail=True, limit=10_000,
+                                                                    raise_on_missing_output=False)}
+    return {pg: len(found[pg].bundles) - 1 for pg in groups if pg in found}
+
+
 def main(argv: list) -> None:
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
     job = ray.get_runtime_context().get_job_id()
     summary = tune_lr.main(argv)
-    workers = [a for a in _job_actors(job) if a.class_name == "Worker"]
+    actors = _job_actors(job)
+    workers = [a for a in actors if a.class_name == "Worker"]
     per_group = Counter(a.placement_group_id for a in workers)
-    trial_groups = {pg: t["num_workers"] for t in summary["trials"] for pg in t["placement_groups"]}
+    trial_groups = _trial_groups({a.placement_group_id for a in actors
+                                  if a.class_name != "Worker" and a.placement_group_id})
+    reported = {pg: t["num_workers"] for t in summary["trials"] for pg in t["placement_groups"]}
     checks = {
         "worker_actors": len(workers),
+        "trial_groups": len(trial_groups),
         "workers_outside_trial_groups": sorted(pg or "none" for pg in per_group if pg not in trial_groups),
         "trial_groups_with_wrong_worker_count": {pg: per_group.get(pg, 0) for pg, n in trial_groups.items()
                                                  if per_group.get(pg, 0) != n},
+        "reported_groups_not_trial_groups": sorted(pg for pg in reported if pg not in trial_groups),
+        "reported_groups_with_wrong_worker_count": {pg: per_group.get(pg, 0) for pg, n in reported.items()
+                                                    if per_group.get(pg, 0) != n},
         "leftovers": _leftovers(job),
     }
     print("TUNE_REPORT " + json.dumps({**summary, "checks": checks}), flush=True)
