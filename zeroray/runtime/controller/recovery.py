@@ -24,6 +24,7 @@ from zeroray.runtime.failures import PlacementError, WorkerSetupError, is_worker
 from zeroray.runtime.records import RecoveryRecord, WorkerSpec
 from zeroray.runtime.snapshot import Snapshot, needed_ranks
 from zeroray.runtime.trainer_state import TrainerState
+from zeroray.runtime.worker_group import reform
 from zeroray.runtime.worker_group.group import WorkerGroup
 
 
@@ -121,7 +122,7 @@ class Recovery:
         self.pipeline.forget()
         timeout_s = self.scaling.placement_timeout_s
         try:
-            timings: Dict[str, Any] = {"mode": "replace", **self.slot.get().replace(self.spec, timeout_s)}
+            timings: Dict[str, Any] = {"mode": "replace", **reform.replace(self.slot.get(), self.spec, timeout_s)}
         except (PlacementError, WorkerSetupError) as error:
             first = f"{type(error).__name__}: {str(error).splitlines()[0]}"
             decision = scaling.on_lost(len(self.slot.get().survivors)) if isinstance(error, PlacementError) else None
@@ -130,7 +131,7 @@ class Recovery:
                 return {**self._restart(scaling, reason, note), "replace_failed": str(error).splitlines()[0]}
             note(f"zeroray: replacing the lost worker(s) failed ({first}); {decision.reason}")
             timings = {"mode": "shrink", "replace_failed": str(error).splitlines()[0],
-                       **self.slot.get().shrink(self.spec, timeout_s)}
+                       **reform.shrink(self.slot.get(), self.spec, timeout_s)}
         self._adopt(self.slot.get())
         return self._restore_after_failure(reason, note, timings, time.monotonic(), t0)
 

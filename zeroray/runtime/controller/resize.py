@@ -43,11 +43,12 @@ class Resizing:
             old = self.slot.get()
             scaling = ScalingConfig(**{**vars(current), "num_workers": num_workers,
                                        "min_workers": min(current.min_workers or num_workers, num_workers)})
-            old.release_spares()  # what they hold is the new group's room ([Note: spare placement] in worker_group/placement.py)
+            # what the spares hold is the new group's room ([Note: spare placement] in worker_group/placement.py)
+            old.placement.release_spares()
             try:
                 new = WorkerGroup(self.spec, num_workers, scaling, spares=self.spares, start_spares=False)
             except (PlacementError, WorkerSetupError) as error:
-                old.start_spares()
+                old.placement.start_spares()
                 raise type(error)(
                     f"resize({num_workers}) did not happen, and the Trainer goes on with its {old.num_workers} "
                     f"worker(s), unchanged: {error}\nA resize starts the new workers before it releases the old "
@@ -57,10 +58,10 @@ class Resizing:
                 steps = self._move_state(old, new)
             except BaseException:
                 new.shutdown()
-                old.start_spares()
+                old.placement.start_spares()
                 raise
             old.shutdown()
-            new.start_spares()  # once the old group is gone: its resources are theirs
+            new.placement.start_spares()  # once the old group is gone: its resources are theirs
             self._adopt(new)
             self.position.set(step_count=steps[0])
         finally:

@@ -84,7 +84,7 @@ def engine_call(method: Optional[Callable] = None, *, waits_for_copy: bool = Tru
 
         def run() -> Any:
             if waits_for_copy:
-                self._wait_copy()
+                self.snapshots.wait_copy()
             return method(self, *args, **kwargs)
         return self._sequencer.run(ticket, run)
 
