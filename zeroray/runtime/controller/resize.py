@@ -13,17 +13,17 @@ from zeroray.config import ScalingConfig
 from zeroray.runtime.execution.pipeline import StepPipeline
 from zeroray.runtime.failures import PlacementError, WorkerSetupError
 from zeroray.runtime.records import WorkerSpec
-from zeroray.runtime.trainer_state import TrainerState
+from zeroray.runtime.trainer_state import StateMachine, TrainerState
 from zeroray.runtime.worker_group.group import WorkerGroup
 
 
 class Resizing:
     """``Controller.resize``'s work: the new group, the state moved into it."""
 
-    def __init__(self, spec: WorkerSpec, spares: int, pipeline: StepPipeline,
+    def __init__(self, spec: WorkerSpec, spares: int, states: StateMachine, pipeline: StepPipeline,
                  adopt: Callable[[WorkerGroup], None]) -> None:
-        self.spec, self.spares, self._adopt = spec, spares, adopt
-        self.slot, self.states, self.position = pipeline.slot, pipeline.states, pipeline.position
+        self.spec, self.spares, self.states, self._adopt = spec, spares, states, adopt
+        self.slot, self.position = pipeline.slot, pipeline.position
 
     def resize(self, num_workers: int, current: ScalingConfig) -> ScalingConfig:
         """IDLE -> RESIZING -> IDLE: the same training state on ``num_workers`` new workers.
