@@ -117,7 +117,7 @@ def test_sigkill_recovers_from_memory_bitwise(ray_local, tmp_path, stage, spares
         # Second fit: the snapshot is lost before the kill, so recovery falls back to the disk
         # checkpoint of step STEPS and redoes the steps since.
         trainer.save()
-        def newest():  # the second fit's keeper (begin_fit makes a new one)
+        def newest():  # the second fit's keeper (each fit makes a new one)
             return trainer.controller.snapshots.complete
 
         def lose_newest():  # the snapshot of step STEPS + 2, once the driver collected that step

@@ -35,7 +35,7 @@ def _untyped_dicts(annotation: Any) -> List[str]:
 
 
 def _public_methods(cls: type) -> Dict[str, Any]:
-    """Every public method of ``cls``, its mixins' included (the actor is made of several)."""
+    """Every public method of ``cls``, its bases' included."""
     return {name: fn for name, fn in inspect.getmembers(cls, inspect.isfunction) if not name.startswith("_")}
 
 

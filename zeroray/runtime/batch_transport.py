@@ -3,18 +3,20 @@
 [Note: batch transport]
 Ray pickles a ``torch.Tensor`` argument through torch's own reducer, which runs ``torch.save``
 on the driver and ``torch.load`` on the worker for every storage, and ships the tensor's whole
-storage even when the tensor is a slice of it (a worker's rows of the global batch). Measured
-in ``benchmarks/ray_overhead.py``, that was most of what a step's call cost beyond Ray's own
-round trip. A numpy array instead goes through pickle protocol 5 as one out-of-band buffer
-(Ray's zero-copy path) holding only the slice's bytes. So ``pack`` replaces every CPU tensor
-of the batch by its bytes (a ``uint8`` array, any dtype, bfloat16 included) with dtype and
-shape, and ``unpack`` on the worker rebuilds the tensors. Ray hands the worker read-only
-buffers (the object store's shared memory); ``unpack`` copies those, so ``loss_fn`` gets
-ordinary writable tensors. Tensors on a GPU travel as they are.
+storage even when the tensor is a slice of it (a worker's rows of the global batch). Measured in
+``benchmarks/ray_overhead.py``, that was most of what a step's call cost beyond Ray's own round
+trip. A numpy array instead goes through pickle protocol 5 as one out-of-band buffer (Ray's
+zero-copy path) holding only the slice's bytes. So ``pack`` replaces every CPU tensor of the
+batch by its bytes (a ``uint8`` array, any dtype, bfloat16 included) with dtype and shape, and
+``unpack`` on the worker rebuilds the tensors. Both classes pickle as pickle pickles any object
+with ``__slots__`` (their fields as they are, no ``__init__`` on the way back), so no zeroray
+code runs inside Ray's serialization. Ray hands the worker read-only buffers (the object store's
+shared memory); ``unpack`` copies those, so ``loss_fn`` gets ordinary writable tensors. Tensors
+on a GPU travel as they are.
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,18 +31,9 @@ class _WireTensor:
         self.data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()  # 1-D bytes
         self.dtype, self.shape = tensor.dtype, tuple(tensor.shape)
 
-    def __reduce__(self) -> Tuple[Any, ...]:
-        return _rebuild, (self.data, self.dtype, self.shape)
-
     def tensor(self) -> torch.Tensor:
         data = self.data if self.data.flags.writeable else np.array(self.data)
         return torch.from_numpy(data).view(self.dtype).view(self.shape)
-
-
-def _rebuild(data: np.ndarray, dtype: torch.dtype, shape: Tuple[int, ...]) -> _WireTensor:
-    wire = _WireTensor.__new__(_WireTensor)
-    wire.data, wire.dtype, wire.shape = data, dtype, shape
-    return wire
 
 
 class PackedBatch:
@@ -51,17 +44,8 @@ class PackedBatch:
     def __init__(self, batch: Any) -> None:
         self.tree = _map(batch, lambda t: _WireTensor(t) if t.device.type == "cpu" else t, torch.Tensor)
 
-    def __reduce__(self) -> Tuple[Any, ...]:
-        return _rebuild_packed, (self.tree,)
-
     def unpack(self) -> Any:
         return _map(self.tree, lambda w: w.tensor(), _WireTensor)
-
-
-def _rebuild_packed(tree: Any) -> PackedBatch:
-    packed = PackedBatch.__new__(PackedBatch)
-    packed.tree = tree
-    return packed
 
 
 def _map(tree: Any, fn, kind: type) -> Any:

@@ -2,7 +2,8 @@
 
 ``Checkpoints`` is one of the Controller's collaborators (controller/controller.py): it owns the
 last checkpoint (its path and step) and the restore choice, and is their only writer; it reads
-the group, the position and the state the Controller shares with it. Every worker writes or
+the group and the position the Controller shares with it (whether the Trainer may save now is
+the Controller's to say: ``Controller.save``, and fit's own saves). Every worker writes or
 reads its own shard in parallel; the driver commits the manifest ([Note: checkpoint commit protocol]
 in checkpoint/store.py) and plans what a load takes of the saved optimizer ([Note: restoring
 the optimizer] in controller/optimizer_restore.py).
@@ -28,7 +29,6 @@ from zeroray.runtime.controller.optimizer_restore import LoadPlan, RestoreChoice
 from zeroray.runtime.execution.pipeline import GroupSlot, Position
 from zeroray.runtime.failures import is_worker_failure
 from zeroray.runtime.records import WorkerSpec
-from zeroray.runtime.trainer_state import StateMachine, TrainerState
 
 log = logging.getLogger("zeroray")
 
@@ -36,8 +36,8 @@ log = logging.getLogger("zeroray")
 class Checkpoints:
     """save / load / verify of the trainer's checkpoints, and the last one saved or loaded."""
 
-    def __init__(self, slot: GroupSlot, position: Position, states: StateMachine, spec: WorkerSpec) -> None:
-        self.slot, self.position, self.states, self.spec = slot, position, states, spec
+    def __init__(self, slot: GroupSlot, position: Position, spec: WorkerSpec) -> None:
+        self.slot, self.position, self.spec = slot, position, spec
         self.last: Optional[str] = None      # the last checkpoint saved or loaded (its step directory)
         self.last_step: Optional[int] = None  # the step it holds
         # what the optimizer was built from and which of it was given: Trainer.restore's choice,
@@ -50,9 +50,7 @@ class Checkpoints:
         A write that fails leaves the last checkpoint as it was; see [Note: failed saves]."""
         from zeroray.checkpoint import ManifestFields, commit
 
-        state, step = self.states.state, self.position.step_count
-        if state not in (TrainerState.IDLE, TrainerState.FITTING):
-            raise RuntimeError(f"cannot save while the Trainer is {state.value}")
+        step = self.position.step_count
         group = self.slot.get()
         info = group.setup_info[0]
         try:

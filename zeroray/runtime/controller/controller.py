@@ -5,7 +5,7 @@ One ``Controller`` per ``zr.Trainer`` (Ray Train v2's controller is the model). 
 what the trainer is doing, and each transition is one of its methods:
 
     IDLE -> STEPPING -> IDLE                                step()
-    IDLE -> FITTING (-> RECOVERING -> FITTING)* -> IDLE     begin_fit(), recover(), end_fit()
+    IDLE -> FITTING (-> RECOVERING -> FITTING)* -> IDLE     fit(), its Recovery.recover()
     IDLE -> RESIZING -> IDLE                                resize()
     IDLE -> EVALUATING -> IDLE                              evaluate() (fit evaluates while FITTING)
     IDLE -> RUNNING -> IDLE                                 run()
@@ -13,19 +13,23 @@ what the trainer is doing, and each transition is one of its methods:
     any  -> CLOSED                                          close() (again: stays CLOSED)
 
 Every change of state goes through the one table of moves (``TRANSITIONS`` in trainer_state.py,
-through ``self.states``), close and recovery included. A call that its state does not allow (``step`` from inside a ``fit``
-callback, anything after ``close``) is a ``RuntimeError`` that says what the trainer is doing.
-The failure and scaling policies (controller/policy.py) return decisions to ``recover``, which acts on
-them. Every step goes through its ``StepPipeline`` ([Note: one step pipeline] in execution/pipeline.py):
-``step`` sends one and collects it; ``fit`` (fit/loop.py) runs its steps, Ray Data input
-(fit/data.py) included, through ``controller.pipeline.run`` while the Trainer is FITTING.
+through ``self.states``), close and recovery included. A call that its state does not allow
+(``step`` from inside a ``fit`` callback, anything after ``close``) is a ``RuntimeError`` that says
+what the trainer is doing; the Controller (and its recovery and resize) is what consults the
+state: the pipeline and the checkpoints are told, not asked. The failure and scaling policies
+(controller/policy.py) return decisions to ``recover``, which acts on them. Every step goes
+through its ``StepPipeline`` ([Note: one step pipeline] in execution/pipeline.py): ``step`` sends
+one and collects it; ``fit`` brackets a fit in one place: FITTING, the fit's start on the pipeline
+and on recovery, the pipeline's runs of its steps (``StepPipeline.run``, Ray Data input included)
+with a recovery between two, and the end, IDLE again before the reporters hear of it.
 
-The Controller owns its state: the position (the step count, and the data position: a step
-collected while FITTING consumed one global batch of fit's data; ``begin_fit``, ``load``,
-recovery and ``seek`` set it, the pipeline advances it), the group and the scaling. Its
-collaborators own theirs, each the only writer: ``Checkpoints`` (controller/checkpointing.py) the
-last checkpoint and the restore choice, ``Recovery`` (controller/recovery.py) a fit's failures and
-the record of its recoveries, ``Resizing`` (controller/resize.py) nothing beyond one resize.
+The Controller owns its state: the position (the step count, and the data position: a step of
+fit's consumed one global batch of fit's data; ``fit``, ``load``, recovery and ``seek`` set it,
+the pipeline advances it), the group (and whether a failure keeps its survivors) and the
+scaling. Its collaborators own theirs, each the only writer: ``StepPipeline`` the steps in flight
+and a fit's snapshot, ``Checkpoints`` (controller/checkpointing.py) the last checkpoint and the
+restore choice, ``Recovery`` (controller/recovery.py) a fit's failures and the record of its
+recoveries, ``Resizing`` (controller/resize.py) nothing beyond one resize.
 """
 from __future__ import annotations
 
@@ -36,12 +40,12 @@ import ray
 import torch
 
 from zeroray.layout.arena import FlatLayout
-from zeroray.config import FailureConfig, ScalingConfig, ZeroConfig
+from zeroray.config import ScalingConfig, ZeroConfig
 from zeroray.runtime.code_shipping import ship_by_value
 from zeroray.runtime.controller.checkpointing import Checkpoints
 from zeroray.runtime.controller.recovery import Recovery
 from zeroray.runtime.controller.resize import Resizing
-from zeroray.runtime.execution.pipeline import GroupSlot, Position, SnapshotKeeper, StepPipeline
+from zeroray.runtime.execution.pipeline import FitPlan, GroupSlot, Position, SnapshotKeeper, StepPipeline
 from zeroray.runtime.execution.step import StepResult
 from zeroray.runtime.records import WorkerSpec
 from zeroray.runtime.trainer_state import StateMachine, TrainerState
@@ -60,10 +64,11 @@ class Controller:
         self.slot = GroupSlot()
         self.states = StateMachine()              # what the trainer is doing: its only writer
         self.position = Position()                 # the step count and fit's data position
-        self.pipeline = StepPipeline(self.slot, zero, self.states, self.position)  # the steps in flight
-        self.checkpoints = Checkpoints(self.slot, self.position, self.states, spec)
-        self.recovery = Recovery(spec, self.pipeline, self.checkpoints, self._start, self._adopt, self._drop_broken)
-        self.resizing = Resizing(spec, spares, self.pipeline, self._adopt)
+        self.pipeline = StepPipeline(self.slot, zero, self.position)  # the steps in flight
+        self.checkpoints = Checkpoints(self.slot, self.position, spec)
+        self.recovery = Recovery(spec, self.states, self.pipeline, self.checkpoints, self._start, self._adopt,
+                                 self._drop_broken)
+        self.resizing = Resizing(spec, spares, self.states, self.pipeline, self._adopt)
         ship_by_value(spec)  # before the first actor: [Note: shipping model code]
         self._start(scaling.num_workers)
 
@@ -106,10 +111,16 @@ class Controller:
 
     def _adopt(self, group: WorkerGroup) -> None:
         self.slot.group = group
-        group.keep_survivors = self.recovery.replaceable()
+        self._keep_survivors(group)
         info = group.setup_info[0]
         self.layout: FlatLayout = info.layout
         self.state_dict_keys: List[str] = list(info.state_dict_keys)
+
+    def _keep_survivors(self, group: WorkerGroup) -> None:
+        """A failure keeps the survivors for a replacement while a fit keeps in-memory snapshots
+        ([Note: replace, don't restart] in worker_group/reform.py); the pipeline holds a snapshot
+        cadence only then."""
+        group.keep_survivors = bool(self.pipeline.snapshots.every)
 
     def close(self) -> None:
         """Release the actors and the placement group (any state -> CLOSED). Safe to call twice."""
@@ -205,24 +216,49 @@ class Controller:
 
     # --- fit -------------------------------------------------------------------------------
 
-    def begin_fit(self, skip: Optional[int], failure: FailureConfig) -> Tuple[int, int]:
-        """IDLE -> FITTING: the fit's data starts at ``skip`` (default: the current data position);
-        every ``failure.snapshot_every`` steps an in-memory snapshot ([Note: in-memory snapshots]);
-        ``failure`` is what ``recover`` acts on. Returns where the fit begins: (step count, data position)."""
+    def fit(self, plan: FitPlan) -> List[StepResult]:
+        """IDLE -> FITTING (-> RECOVERING -> FITTING)* -> IDLE: Trainer.fit on ``plan`` (fit/loop.py
+        built it: [Note: pipelined steps], [Note: data replay] there). The pipeline runs its steps;
+        after a worker failure ``Recovery.recover`` rebuilds the group and the pipeline runs again
+        from where recovery resumed. The reporters hear ``fit_start`` first and ``fit_end`` last, once the
+        Trainer is idle again (``on_fit_end`` may evaluate), also when fit raises."""
         self.states.enter(TrainerState.FITTING)
-        self.pipeline.begin(failure.snapshot_every, skip)
-        origin = (self.position.step_count, self.position.data_position)
-        self.recovery.begin(failure, origin)
-        return origin
+        error: Optional[BaseException] = None
+        try:
+            with self.pipeline.fitting(plan):  # the fit's snapshot cadence and start; its snapshot released after
+                self._keep_survivors(self.slot.group)
+                origin = (self.position.step_count, self.position.data_position)
+                self.recovery.begin(plan.failure, origin)
+                plan.report("fit_start", origin[0])
+                return self._run(plan)
+        except BaseException as raised:
+            error = raised
+            raise
+        finally:
+            plan.report("fit_end", self._end_fit(), error)
 
-    def recover(self, error: BaseException, note: Callable[[str], None]) -> None:
-        """FITTING -> RECOVERING -> FITTING, or the error raised: see ``Recovery.recover``."""
-        self.recovery.recover(error, note, self.scaling)
+    def _run(self, plan: FitPlan) -> List[StepResult]:
+        """The pipeline's runs of one fit, a recovery between two (see ``fit``): its StepResults."""
+        results: List[StepResult] = []
+        resave = False
+        while True:
+            try:
+                if resave:  # the save a failure interrupted: recovery resumed at its step
+                    plan.report("checkpoint", self.position.step_count, plan.save())
+                self.pipeline.run(plan, results)
+                return results
+            except Exception as failed:  # noqa: BLE001 - classified by recover: raise, or restart
+                self.recovery.recover(failed, plan.note, self.scaling)  # FITTING -> RECOVERING -> FITTING, or raises
+                step = self.position.step_count
+                plan.report("recovery", self.recovery.recoveries[-1])
+                results[:] = [r for r in results if r.step <= step]  # replayed by the next run
+                # From an in-memory snapshot, recovery may resume exactly at a step whose save
+                # the failure interrupted (a worker died writing it): the run would not save that
+                # step again, and a later recovery would find only an older checkpoint.
+                resave = step > 0 and plan.saves_at(step) and self.checkpoints.last_step != step
 
-    def end_fit(self) -> int:
-        """FITTING -> IDLE (also after fit raised); returns the step count the fit ends at. The
-        snapshot is released: it serves this fit only."""
-        self.pipeline.snapshots = SnapshotKeeper(None)
+    def _end_fit(self) -> int:
+        """FITTING -> IDLE (also after fit raised); returns the step count the fit ends at."""
         self._drop_broken()
         if self.slot.group is not None:
             self.slot.group.keep_survivors = False
@@ -238,7 +274,10 @@ class Controller:
     # --- checkpoints and resize: the collaborators' (controller/checkpointing.py, controller/resize.py) ---
 
     def save(self, root: Any, keep: Optional[int]) -> Any:
-        """Every worker writes its shard; see ``Checkpoints.save`` and [Note: failed saves]."""
+        """Every worker writes its shard (while the Trainer is idle, or from a fit: its callbacks'
+        saves); see ``Checkpoints.save`` and [Note: failed saves]."""
+        if self.state not in (TrainerState.IDLE, TrainerState.FITTING):
+            raise RuntimeError(f"cannot save while the Trainer is {self.state.value}")
         return self.checkpoints.save(root, keep)
 
     def load(self, path: Any) -> None:

@@ -1,12 +1,12 @@
 """Failure and scaling policies: small objects that return a decision and do nothing else.
 
-The Controller builds one of each per fit, at its first failure (``recover``), and acts on their decisions
-(``Controller.recover`` asks the FailurePolicy whether to restart, ``Controller._restart`` asks
-the ScalingPolicy how many workers to restart with, ``Controller._replace`` whether to go on with
-the survivors when no replacement can be placed). The policies are testable without a
-cluster (tests/unit/test_policy.py). Which errors count as worker failures is decided in
-failures.py (``classify_error``, ``is_worker_failure``), and the Controller passes that verdict
-on (``user_error``); the policy only counts the failures.
+The Controller's recovery (controller/recovery.py) builds one of each per fit, at its first failure,
+and acts on their decisions (``Recovery.recover`` asks the FailurePolicy whether to restart,
+``Recovery._restart`` asks the ScalingPolicy how many workers to restart with, ``Recovery._replace``
+whether to go on with the survivors when no replacement can be placed). The policies are testable
+without a cluster (tests/unit/test_policy.py). Which errors count as worker failures is decided in
+failures.py (``classify_error``, ``is_worker_failure``), and recovery passes that verdict on
+(``user_error``); the policy only counts the failures.
 """
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ from zeroray.runtime.execution.pipeline import StepPipeline
 from zeroray.runtime.failures import PlacementError, WorkerSetupError, is_worker_failure
 from zeroray.runtime.records import RecoveryRecord, WorkerSpec
 from zeroray.runtime.snapshot import Snapshot, needed_ranks
-from zeroray.runtime.trainer_state import TrainerState
+from zeroray.runtime.trainer_state import StateMachine, TrainerState
+from zeroray.runtime.worker_group import reform
 from zeroray.runtime.worker_group.group import WorkerGroup
 
 
@@ -33,11 +34,11 @@ class Recovery:
     ``start(n)``, ``adopt(group)`` and ``drop_broken()`` are the Controller's: it stays the one
     writer of the group it holds."""
 
-    def __init__(self, spec: WorkerSpec, pipeline: StepPipeline, checkpoints: Checkpoints,
+    def __init__(self, spec: WorkerSpec, states: StateMachine, pipeline: StepPipeline, checkpoints: Checkpoints,
                  start: Callable[[int], None], adopt: Callable[[WorkerGroup], None],
                  drop_broken: Callable[[], None]) -> None:
-        self.spec, self.pipeline, self.checkpoints = spec, pipeline, checkpoints
-        self.slot, self.states, self.position = pipeline.slot, pipeline.states, pipeline.position
+        self.spec, self.states, self.pipeline, self.checkpoints = spec, states, pipeline, checkpoints
+        self.slot, self.position = pipeline.slot, pipeline.position
         self._start, self._adopt, self._drop_broken = start, adopt, drop_broken
         self.last_recovery_s: Optional[float] = None  # fit: seconds from a worker failure to resuming
         self.recoveries: List[RecoveryRecord] = []     # fit: one record per restart (cause, timing, size)
@@ -47,17 +48,11 @@ class Recovery:
 
     def begin(self, failure: FailureConfig, origin: Tuple[int, int]) -> None:
         """A fit begins at ``origin`` (step count, data position): the policies count its failures
-        from its first; with in-memory snapshots a failure keeps the survivors for a replacement."""
+        from its first."""
         self.failure, self.policies, self._fit_origin = failure, None, origin
-        self.slot.group.keep_survivors = self.replaceable()  # FITTING: the Controller holds a group
-
-    def replaceable(self) -> bool:
-        """A failure keeps the survivors for a replacement: a fit with in-memory snapshots runs."""
-        return (self.states.state in (TrainerState.FITTING, TrainerState.RECOVERING)
-                and bool(self.pipeline.snapshots.every))
 
     def recover(self, error: BaseException, note: Callable[[str], None], scaling_config: ScalingConfig) -> None:
-        """FITTING -> RECOVERING -> FITTING: ask this fit's FailurePolicy (``begin_fit`` built it);
+        """FITTING -> RECOVERING -> FITTING: ask this fit's FailurePolicy (built at its first failure);
         raise, or rebuild the group (of the size its ScalingPolicy decides) and load the newest
         snapshot or checkpoint.
 
@@ -121,7 +116,7 @@ class Recovery:
         self.pipeline.forget()
         timeout_s = self.scaling.placement_timeout_s
         try:
-            timings: Dict[str, Any] = {"mode": "replace", **self.slot.get().replace(self.spec, timeout_s)}
+            timings: Dict[str, Any] = {"mode": "replace", **reform.replace(self.slot.get(), self.spec, timeout_s)}
         except (PlacementError, WorkerSetupError) as error:
             first = f"{type(error).__name__}: {str(error).splitlines()[0]}"
             decision = scaling.on_lost(len(self.slot.get().survivors)) if isinstance(error, PlacementError) else None
@@ -130,7 +125,7 @@ class Recovery:
                 return {**self._restart(scaling, reason, note), "replace_failed": str(error).splitlines()[0]}
             note(f"zeroray: replacing the lost worker(s) failed ({first}); {decision.reason}")
             timings = {"mode": "shrink", "replace_failed": str(error).splitlines()[0],
-                       **self.slot.get().shrink(self.spec, timeout_s)}
+                       **reform.shrink(self.slot.get(), self.spec, timeout_s)}
         self._adopt(self.slot.get())
         return self._restore_after_failure(reason, note, timings, time.monotonic(), t0)
 

@@ -13,17 +13,17 @@ from zeroray.config import ScalingConfig
 from zeroray.runtime.execution.pipeline import StepPipeline
 from zeroray.runtime.failures import PlacementError, WorkerSetupError
 from zeroray.runtime.records import WorkerSpec
-from zeroray.runtime.trainer_state import TrainerState
+from zeroray.runtime.trainer_state import StateMachine, TrainerState
 from zeroray.runtime.worker_group.group import WorkerGroup
 
 
 class Resizing:
     """``Controller.resize``'s work: the new group, the state moved into it."""
 
-    def __init__(self, spec: WorkerSpec, spares: int, pipeline: StepPipeline,
+    def __init__(self, spec: WorkerSpec, spares: int, states: StateMachine, pipeline: StepPipeline,
                  adopt: Callable[[WorkerGroup], None]) -> None:
-        self.spec, self.spares, self._adopt = spec, spares, adopt
-        self.slot, self.states, self.position = pipeline.slot, pipeline.states, pipeline.position
+        self.spec, self.spares, self.states, self._adopt = spec, spares, states, adopt
+        self.slot, self.position = pipeline.slot, pipeline.position
 
     def resize(self, num_workers: int, current: ScalingConfig) -> ScalingConfig:
         """IDLE -> RESIZING -> IDLE: the same training state on ``num_workers`` new workers.
@@ -43,11 +43,12 @@ class Resizing:
             old = self.slot.get()
             scaling = ScalingConfig(**{**vars(current), "num_workers": num_workers,
                                        "min_workers": min(current.min_workers or num_workers, num_workers)})
-            old.release_spares()  # what they hold is the new group's room ([Note: spare placement] in worker_group/placement.py)
+            # what the spares hold is the new group's room ([Note: spare placement] in worker_group/placement.py)
+            old.placement.release_spares()
             try:
                 new = WorkerGroup(self.spec, num_workers, scaling, spares=self.spares, start_spares=False)
             except (PlacementError, WorkerSetupError) as error:
-                old.start_spares()
+                old.placement.start_spares()
                 raise type(error)(
                     f"resize({num_workers}) did not happen, and the Trainer goes on with its {old.num_workers} "
                     f"worker(s), unchanged: {error}\nA resize starts the new workers before it releases the old "
@@ -57,10 +58,10 @@ class Resizing:
                 steps = self._move_state(old, new)
             except BaseException:
                 new.shutdown()
-                old.start_spares()
+                old.placement.start_spares()
                 raise
             old.shutdown()
-            new.start_spares()  # once the old group is gone: its resources are theirs
+            new.placement.start_spares()  # once the old group is gone: its resources are theirs
             self._adopt(new)
             self.position.set(step_count=steps[0])
         finally:

@@ -2,21 +2,24 @@
 
 [Note: one step pipeline]
 Every step the driver sends goes through ``StepPipeline``: ``Controller.step`` (one step, sent
-and collected), fit's loop (two in flight, [Note: pipelined steps] in fit/loop.py), and the
+and collected), fit's steps (two in flight, [Note: pipelined steps] in fit/loop.py), and the
 Ray Data feed (a "train on your next batch" step, fit/data.py). It owns the steps in flight (the
 only count of them is its queue), and their order: ``send`` / ``send_local`` number a step
 behind the last one sent (``after_ok`` behind another, so that a step queued behind a failed
 one is cancelled, see worker/sequencer.py); ``collect`` waits for the oldest; when a step fails or
 its Ray Data split has run out, the steps behind it are discarded; ``settle`` collects what is
 still in flight when the driver's side is interrupted, so the counts say what the workers
-applied. The snapshot taken right behind a step ([Note: in-memory snapshots] in snapshot.py)
-is sent with it and completed when it is collected. Evaluation batches go through it too, two in
-flight as steps, never beside a step.
+applied. The snapshot taken right behind a step of fit's ([Note: in-memory snapshots] in
+snapshot.py) is sent with it and completed when it is collected. Evaluation batches go through
+it too, two in flight as steps, never beside a step.
 
-fit's own loop over the steps is ``run``: fit (fit/loop.py) hands it the feed and a ``FitPlan``,
-the cadence as data (where to stop, which steps a checkpoint, an evaluation or a callback waits
+fit's steps are ``run``: the Controller's ``fit`` hands it a ``FitPlan``, the fit as data (its
+feed, where it starts and stops, which steps a checkpoint, an evaluation or a callback waits
 for, the save to call, and the one ``report`` through which the progress bar and the callbacks
-hear of each event), so a fit's steps are read in one place, top to bottom.
+hear of each event), so a fit's steps are read in one place, top to bottom. Whether a step is
+fit's is said when it is sent (``fit=True``, which ``run`` sends): it is what consumes a batch of
+fit's data and has a snapshot behind it; the pipeline never asks what the trainer is doing
+(that is the Controller's state, which only it consults).
 
 What a collected step changes is written to the ``Position`` (the step count and the data
 position): by ``collect`` for a step, and by the controller for a load or a recovery, always
@@ -24,6 +27,7 @@ through ``Position``'s methods.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import deque
@@ -34,7 +38,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 import ray
 import torch
 
-from zeroray.config import ZeroConfig
+from zeroray.config import FailureConfig, ZeroConfig
 from zeroray.engine.batch import batch_size, split_batch
 from zeroray.runtime.batch_transport import PackedBatch
 from zeroray.runtime.data_source import is_ray_dataset
@@ -42,7 +46,7 @@ from zeroray.runtime.records import SplitInfo, StepRecord
 from zeroray.runtime.worker.sequencer import Cancelled
 from zeroray.runtime.snapshot import Snapshot
 from zeroray.runtime.execution.step import StepResult
-from zeroray.runtime.trainer_state import SHUT_DOWN, StateMachine, TrainerState
+from zeroray.runtime.trainer_state import SHUT_DOWN
 from zeroray.runtime.worker_group.group import WorkerGroup
 
 
@@ -121,6 +125,7 @@ class PendingStep:
     submitted_at: float
     number: int                  # the step count this step ends at, if it runs
     tokens: Optional[int] = None
+    fit: bool = False  # one of fit's steps: it consumes a global batch of fit's data ([Note: data replay])
     snapshot: Optional[Snapshot] = None  # fit: the in-memory snapshot taken right behind it
 
     @staticmethod
@@ -135,7 +140,7 @@ class PendingStep:
 
 @dataclass(frozen=True)
 class Feed:
-    """fit's source of steps (built by fit/data.py): the driver's own global batches
+    """fit's source of steps (``FitPlan.feed``, fit/data.py's ``feed_for``): the driver's own global batches
     (``batches``), or, when ``batches`` is None, Ray Data splits attached to the workers as
     ``feed_id``, each worker stepping on its own split's next batch (``empty``: they hold none)."""
 
@@ -147,36 +152,54 @@ class Feed:
 
 @dataclass(frozen=True)
 class FitPlan:
-    """What fit's steps stop for, as data (``StepPipeline.run``; [Note: pipelined steps] in fit/loop.py).
+    """One fit, as data: built by fit/loop.py, bracketed by ``Controller.fit``, its steps run by
+    ``StepPipeline.run`` ([Note: pipelined steps] in fit/loop.py).
 
-    ``report(event, *args)`` tells the progress bar and the callbacks (fit/callbacks.py's
-    ``Callbacks.emit``); ``save()`` writes the checkpoint of the step the trainer is at and returns
-    its path; ``evaluation`` has fit's ``data``, ``every``, ``metric_fn`` and ``dataset_batch_size``
-    (fit/evaluation.py); ``pauses_after(step)`` is a callback's wish to see the workers at ``step``
-    (None when fit has no callback to ask)."""
+    ``feed(pipeline)`` opens fit's source of steps at the pipeline's data position (fit/data.py's
+    ``feed_for``); ``report(event, *args)`` tells the progress bar and the callbacks (fit/callbacks.py's
+    ``Callbacks.emit``), ``note(message)`` tells the user of a recovery; ``failure`` is the fit's
+    FailureConfig (its snapshot cadence; what recovery acts on); ``save()`` writes the checkpoint
+    of the step the trainer is at and returns its path; ``evaluation`` has fit's ``data``,
+    ``every``, ``metric_fn`` and ``dataset_batch_size`` (fit/evaluation.py); ``pauses_after(step)``
+    is a callback's wish to see the workers at ``step`` (None when fit has no callback to ask)."""
 
+    feed: Callable[["StepPipeline"], Feed]
     report: Callable[..., None]
+    note: Callable[[str], None]
+    failure: FailureConfig
+    start: int = 0  # the data position fit begins at
     end: Optional[int] = None  # the data position fit stops at; None: where the data ends
     save_every: Optional[int] = None
     save: Optional[Callable[[], Any]] = None
     evaluation: Optional[Any] = None
     pauses_after: Optional[Callable[[int], bool]] = None
 
+    def saves_at(self, step: int) -> bool:
+        """Whether fit writes a checkpoint of the step that ends at step count ``step``."""
+        return self.save is not None and _due(step, self.save_every)
+
 
 class StepPipeline:
     """The steps in flight on a trainer's group; see [Note: one step pipeline]."""
 
-    def __init__(self, slot: GroupSlot, zero: ZeroConfig, states: StateMachine, position: Position) -> None:
-        self.slot, self.zero, self.states, self.position = slot, zero, states, position
+    def __init__(self, slot: GroupSlot, zero: ZeroConfig, position: Position) -> None:
+        self.slot, self.zero, self.position = slot, zero, position
         self.in_flight: Deque[PendingStep] = deque()
         self.snapshots = SnapshotKeeper(None)  # fit: the newest in-memory snapshot ([Note: in-memory snapshots])
         self.evaluated_at: Optional[int] = None  # fit: the step count its last evaluation saw
 
-    def begin(self, snapshot_every: Optional[int], data_position: Optional[int]) -> None:
-        """A fit begins (the controller's ``begin_fit``): its snapshot cadence, the data position it starts at."""
-        self.snapshots = SnapshotKeeper(snapshot_every)
+    @contextlib.contextmanager
+    def fitting(self, plan: FitPlan) -> Iterator[None]:
+        """A fit's span on the pipeline (``Controller.fit``): its snapshot cadence and the data
+        position it starts at; when it ends, also by an error, its snapshot is released (it serves
+        this fit only)."""
+        self.snapshots = SnapshotKeeper(plan.failure.snapshot_every)
         self.evaluated_at = None
-        self.position.set(data_position=data_position)
+        self.position.set(data_position=plan.start)
+        try:
+            yield
+        finally:
+            self.snapshots = SnapshotKeeper(None)
 
     def __len__(self) -> int:
         """Steps sent and not yet collected."""
@@ -184,19 +207,18 @@ class StepPipeline:
 
     # --- send ------------------------------------------------------------------------------
 
-    def send(self, batch: Any, *, tokens: Optional[int] = None) -> PendingStep:
-        """Send one step on a global batch to every worker, without waiting for it."""
-        self._require_stepping()
+    def send(self, batch: Any, *, tokens: Optional[int] = None, fit: bool = False) -> PendingStep:
+        """Send one step on a global batch to every worker, without waiting for it; ``fit``: one of
+        fit's steps (``run``'s)."""
         group = self.slot.get()
         rows = self._check_batch(batch, group.num_workers)
         shards = [PackedBatch(s) for s in split_batch(batch, group.num_workers)]  # [Note: batch transport]
         return self._sent(group.call("train_step", per_rank=[(s, rows) for s in shards], after_ok=bool(self.in_flight)),
-                          tokens)
+                          tokens, fit)
 
     def send_local(self, *, tokens: Optional[int] = None) -> PendingStep:
-        """Send one step on every worker's next batch of its attached Ray Data split (fit/data.py)."""
-        self._require_stepping()
-        return self._sent(self.slot.get().call("train_next", after_ok=bool(self.in_flight)), tokens)
+        """Send one of fit's steps on every worker's next batch of its attached Ray Data split (fit/data.py)."""
+        return self._sent(self.slot.get().call("train_next", after_ok=bool(self.in_flight)), tokens, fit=True)
 
     def attach(self, splits: Sequence[Any], local_batch: int, skip: int, feed_id: str) -> List[SplitInfo]:
         """Give worker ``r`` Ray Data split ``r`` to step on (``send_local``), ``skip`` local batches in."""
@@ -216,15 +238,12 @@ class StepPipeline:
     def num_workers(self) -> int:
         return self.slot.get().num_workers
 
-    def _sent(self, refs: List[Any], tokens: Optional[int]) -> PendingStep:
+    def _sent(self, refs: List[Any], tokens: Optional[int], fit: bool) -> PendingStep:
         number = self.position.step_count + len(self.in_flight) + 1
-        pending = PendingStep(refs, time.time(), number, tokens, snapshot=self._snapshot_after(number))
+        pending = PendingStep(refs, time.time(), number, tokens, fit, snapshot=self._snapshot_after(number) if fit
+                              else None)
         self.in_flight.append(pending)
         return pending
-
-    def _require_stepping(self) -> None:
-        if self.states.state not in (TrainerState.STEPPING, TrainerState.FITTING):
-            raise RuntimeError(f"steps are sent by step() or fit(), not while the Trainer is {self.states.state.value}")
 
     def _check_batch(self, batch: Any, num_workers: int) -> int:
         """The global batch's rows: at least one per micro-batch of every worker ([Note: uneven
@@ -241,7 +260,7 @@ class StepPipeline:
     def _snapshot_after(self, number: int) -> Optional[Snapshot]:
         """fit: the snapshot call numbered right behind the step that ends at ``number``, when one
         is due; see [Note: in-memory snapshots] in snapshot.py."""
-        if self.states.state is not TrainerState.FITTING or not self.snapshots.due(number):
+        if not self.snapshots.due(number):
             return None
         group = self.slot.get()
         per_rank = group.call("snapshot_shard", after_ok=True, num_returns=3)
@@ -276,7 +295,7 @@ class StepPipeline:
             raise RuntimeError(f"step {pending.number - 1} ran on some workers only: {outs}")
         result = PendingStep.combine(outs)
         # a fit's step consumed one global batch ([Note: data replay])
-        self.position.advance(result.step, consumed=self.states.state is TrainerState.FITTING)
+        self.position.advance(result.step, consumed=pending.fit)
         if pending.snapshot is not None:  # its export ran right behind the step: wait for the small records
             records = group.wait_all(pending.snapshot.records, self.zero.collective_timeout_s + 60,
                                      f"snapshot of step {result.step}", independent=True)
@@ -311,11 +330,13 @@ class StepPipeline:
 
     # --- fit's steps ----------------------------------------------------------------------
 
-    def run(self, feed: Feed, plan: FitPlan, results: List[StepResult]) -> None:
-        """fit's steps from ``feed`` until it ends or ``plan.end`` is reached, PIPELINE_DEPTH in
-        flight ([Note: pipelined steps] in fit/loop.py), each collected one appended to ``results``
-        and reported; then fit's last evaluation, unless the last step's ran. Raises what a step
-        raised (fit detaches the feed's splits, recovers, and runs again on a new feed)."""
+    def run(self, plan: FitPlan, results: List[StepResult]) -> None:
+        """fit's steps from the plan's feed (opened at the data position, closed when the run ends)
+        until it ends or ``plan.end`` is reached, PIPELINE_DEPTH in flight ([Note: pipelined steps]
+        in fit/loop.py), each collected one appended to ``results`` and reported; then fit's last
+        evaluation, unless the last step's ran. Raises what a step raised (the Controller recovers,
+        and runs it again from where recovery resumed)."""
+        feed = plan.feed(self)  # a Ray Data feed attaches the workers' splits: detached below
         ended = False
         try:
             while True:
@@ -336,6 +357,9 @@ class StepPipeline:
             # already sent count, so step_count and data_position say what the workers applied.
             self.settle(results)
             raise
+        finally:
+            if feed.feed_id is not None:
+                self.detach(feed.feed_id)
 
     def _waits(self, plan: FitPlan) -> bool:
         """Whether nothing more may be sent now: fit's end is in flight, or the last step sent is
@@ -345,7 +369,7 @@ class StepPipeline:
         if not self.in_flight:
             return False
         last = self.in_flight[-1].number
-        return (_due(last, plan.save_every) or (plan.evaluation is not None and _due(last, plan.evaluation.every))
+        return (plan.saves_at(last) or (plan.evaluation is not None and _due(last, plan.evaluation.every))
                 or (plan.pauses_after is not None and plan.pauses_after(last)))
 
     def _send_from(self, feed: Feed) -> bool:
@@ -356,7 +380,7 @@ class StepPipeline:
             self.send_local(tokens=feed.tokens)
             return True
         for batch in feed.batches:
-            self.send(batch, tokens=_tokens(batch))
+            self.send(batch, tokens=_tokens(batch), fit=True)
             return True
         return False
 
@@ -364,7 +388,7 @@ class StepPipeline:
         """A collected step of fit's: the progress bar first, then its checkpoint and evaluation
         when due (nothing is in flight behind it then), then the callbacks' ``on_step``."""
         plan.report("collected", result, tokens)
-        if plan.save is not None and _due(result.step, plan.save_every):
+        if plan.saves_at(result.step):
             plan.report("checkpoint", result.step, plan.save())
         if plan.evaluation is not None and _due(result.step, plan.evaluation.every):
             self._evaluate_for_fit(plan, results)

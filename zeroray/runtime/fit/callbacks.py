@@ -73,7 +73,8 @@ class Callbacks:
     """The reporters of one fit or evaluate, called in the order given: the progress bar first, when
     fit shows one (fit/progress.py), then the callbacks. ``emit`` is the one way runtime/ reaches
     them: an event goes to every reporter with an ``on_<event>`` method (the bar has
-    ``on_collected``, which fit reports as soon as a step is collected, before its checkpoint)."""
+    ``on_collected``, which fit reports as soon as a step is collected, before its checkpoint, and
+    ``on_fit_end``, where it closes)."""
 
     def __init__(self, callbacks: Sequence[Callback] = (), progress: Optional[Any] = None) -> None:
         self.callbacks = list(callbacks)

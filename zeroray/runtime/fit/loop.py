@@ -1,10 +1,11 @@
-"""The fit loop: the step pipeline runs fit's steps on a plan; recover from worker failures.
+"""fit's entry: ``run_fit`` checks fit's arguments, builds its plan and hands it to the controller.
 
-``run_fit`` checks fit's arguments, begins the fit on the controller, builds the data feed
-(fit/data.py) and the plan (where fit stops, its checkpoint, evaluation and callback cadence,
-the one ``report`` to the progress bar and the callbacks), and hands both to the step
-pipeline's ``run`` (execution/pipeline.py), which keeps steps in flight as below. On a worker
-failure it asks the controller to recover, and runs the pipeline again on a fresh feed.
+The plan (execution/pipeline.py's ``FitPlan``) is the fit as data: its feed (fit/data.py), where
+it starts and stops in the data, its checkpoint, evaluation and callback cadence, the save to
+call, the one ``report`` to the progress bar and the callbacks, and its FailureConfig.
+``Controller.fit`` (controller/controller.py) brackets the fit in one place: FITTING, the step
+pipeline's runs of its steps (``StepPipeline.run``, which keeps steps in flight as below) with a
+recovery between two where a worker failed, and IDLE again.
 
 [Note: pipelined steps]
 While step N runs on the workers, the driver has already sent step N+1 (its call and, for a
@@ -12,8 +13,8 @@ list of batches, its batch): when N ends, N+1 starts at once, and the driver's o
 next batch, splitting it, progress and metrics) and Ray's dispatch hide behind compute. The
 meaning of fit does not change:
 - N+1 is sent with ``after_ok``: if N fails, N+1 does not run on any worker (it returns
-  ``Cancelled``, see worker/sequencer.py) or its group is gone; the loop discards it and handles N's
-  error alone.
+  ``Cancelled``, see worker/sequencer.py) or its group is gone; the pipeline discards it and
+  handles N's error alone.
 - A checkpoint waits for its step: when step N is one that saves (``every_steps``), N+1 is not
   sent until N's result is in and the save is done, so no queued step runs before the save.
   An evaluation (``eval_every``, fit/evaluation.py) waits for its step the same way, and so does a
@@ -65,50 +66,17 @@ def run_fit(controller: Controller, data: Any, num_steps: Optional[int], *, batc
         raise ValueError("fit with FailureConfig(max_failures>0) needs re-iterable data (a list, or an object "
                          "whose __iter__ starts over), so batches can be replayed after a failure; "
                          "got a one-shot iterator")
-    start_step, start_position = controller.begin_fit(skip, failure)
-    pipeline = controller.pipeline
-    error: Optional[BaseException] = None
+    start = controller.position.data_position if skip is None else skip
+    # The progress bar is the first reporter: it closes on fit_end, before the callbacks hear of it.
+    bar = Progress(num_steps, metrics_path=metrics_path) if progress else None
+    reporters = Callbacks(callbacks.callbacks, progress=bar) if bar else callbacks
+    plan = FitPlan(feed=functools.partial(feed_for, data=data, batch_size=batch_size), report=reporters.emit,
+                   note=bar.note if bar else log.warning, failure=failure, start=start,
+                   end=None if num_steps is None else start + num_steps, save_every=checkpoint.every_steps,
+                   save=functools.partial(controller.checkpoints.save, checkpoint.path, checkpoint.keep),
+                   evaluation=evaluation, pauses_after=callbacks.pauses_after if callbacks.callbacks else None)
     try:
-        callbacks.emit("fit_start", start_step)
-        feed = feed_for(pipeline, data, batch_size)  # checks a Dataset's batch_size before any step
-        bar = Progress(num_steps, metrics_path=metrics_path) if progress else None
-        reporters = Callbacks(callbacks.callbacks, progress=bar) if bar else callbacks
-        note = bar.note if bar else log.warning
-        plan = FitPlan(report=reporters.emit, end=None if num_steps is None else start_position + num_steps,
-                       save_every=checkpoint.every_steps,
-                       save=functools.partial(controller.checkpoints.save, checkpoint.path, checkpoint.keep),
-                       evaluation=evaluation, pauses_after=callbacks.pauses_after if callbacks.callbacks else None)
-        results: List[StepResult] = []
-        resave = False
-        try:
-            while True:
-                try:
-                    if resave:  # the save a failure interrupted: recovery resumed at its step
-                        resave = False
-                        reporters.emit("checkpoint", pipeline.position.step_count, plan.save())
-                    pipeline.run(feed, plan, results)
-                    break
-                except Exception as failed:  # noqa: BLE001 - classified by recover: raise, or restart
-                    if feed.feed_id is not None:
-                        pipeline.detach(feed.feed_id)
-                    controller.recover(failed, note)
-                    step = pipeline.position.step_count
-                    reporters.emit("recovery", controller.recovery.recoveries[-1])
-                    results[:] = [r for r in results if r.step <= step]  # replayed below
-                    # From an in-memory snapshot, recovery may resume exactly at a step whose save
-                    # the failure interrupted (a worker died writing it): the loop would not save
-                    # that step again, and a later recovery would find only an older checkpoint.
-                    resave = (step > 0 and bool(checkpoint.every_steps) and step % checkpoint.every_steps == 0
-                              and controller.last_checkpoint_step != step)
-                    feed = feed_for(pipeline, data, batch_size)
-        finally:
-            if feed.feed_id is not None:
-                pipeline.detach(feed.feed_id)
-            if bar:
-                bar.close()
-        return results
-    except BaseException as raised:
-        error = raised
-        raise
+        return controller.fit(plan)
     finally:
-        callbacks.emit("fit_end", controller.end_fit(), error)  # the Trainer is idle again: on_fit_end may evaluate
+        if bar:
+            bar.close()  # closed already, unless the Trainer refused the fit (it was busy)

@@ -180,9 +180,16 @@ class Progress:
         else:
             log.warning(message)
 
+    def on_fit_end(self, step: int, error: Optional[BaseException]) -> None:
+        """fit ends (fit/callbacks.py's ``emit``; the bar is the first reporter): see ``close``."""
+        self.close()
+
     def close(self) -> None:
+        """The last step's line shows, the bar and the metrics file close; again, nothing more."""
         self._log_line()  # the last step of a fit always shows
-        if self.bar is not None:
-            self.bar.close()
-        if self.metrics_file is not None:
-            self.metrics_file.close()
+        bar, self.bar = self.bar, None
+        if bar is not None:
+            bar.close()
+        metrics_file, self.metrics_file = self.metrics_file, None
+        if metrics_file is not None:
+            metrics_file.close()

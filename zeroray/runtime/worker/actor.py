@@ -25,8 +25,8 @@ from zeroray.layout.arena import FlatLayout
 from zeroray.runtime.records import (CommReport, ExportDone, Hops, MemoryReport, NodeInfo, OptimizerPart,
                                      OptimizerPlan, SavedShard, SetupInfo, SplitInfo, StepRecord, WorkerProgress,
                                      WorkerSpec)
-from zeroray.runtime.worker.sequencer import Sequencer, engine_call
-from zeroray.runtime.worker.snapshot_side import SnapshotCalls
+from zeroray.runtime.worker.sequencer import Cancelled, Sequencer, Ticket, engine_call
+from zeroray.runtime.worker.snapshot_side import SnapshotSide, snapshot_bytes
 
 log = logging.getLogger("zeroray")
 
@@ -38,8 +38,9 @@ ENGINE_THREADS = 4
 CONCURRENCY_GROUPS = {"control": 1, "warm": 1, "copy": 1}
 
 
-class Worker(SnapshotCalls):
-    """One rank of a worker group: its collective group membership, its Engine, its Ray Data split."""
+class Worker:
+    """One rank of a worker group: its collective group membership, its Engine, its Ray Data split,
+    its half of the in-memory snapshots (``snapshots``, snapshot_side.py)."""
 
     def __init__(self, rank: int, world_size: int, threads: int, use_gpu: bool) -> None:
         self.rank, self.world_size, self.use_gpu = rank, world_size, use_gpu
@@ -48,9 +49,7 @@ class Worker(SnapshotCalls):
         self.group = None
         self._sequencer = Sequencer()
         self._arrived = threading.local()
-        self._staged = None  # recovery: the state stage_snapshot assembled, until apply_snapshot
-        self._copy = None  # another rank's snapshot shard held here ([Note: buddy copies] in runtime/snapshot.py)
-        self._copy_done: Optional[threading.Event] = None  # set once the last snapshot's copy is done
+        self.snapshots = SnapshotSide()  # the buddy's copy held here, the copy in progress, the staged state
         # A spare's throwaway build (warm) and its real one (setup) both touch torch's global state
         # (the default generator, seeded by every Engine): never at once.
         self._building = threading.Lock()
@@ -162,7 +161,8 @@ class Worker(SnapshotCalls):
         the new group must not wait for that."""
         from zeroray.comm.user_group import leave_default_group
 
-        group, self.group, self.engine, self.feed, self._staged = self.group, None, None, None, None
+        group, self.group, self.engine, self.feed = self.group, None, None, None
+        self.snapshots.drop_staged()
         default = leave_default_group()
         gc.collect()  # the old engine's model and state, before the new one is built
         threading.Thread(target=_close_quietly, args=(group, default), daemon=True, name="zeroray-old-group").start()
@@ -177,7 +177,7 @@ class Worker(SnapshotCalls):
 
     def _step(self, batch: Any, global_rows: Optional[int] = None) -> StepRecord:
         t_engine = time.time()
-        stats = self.memory.step(self.engine.train_step, batch, before_update=self._wait_copy,
+        stats = self.memory.step(self.engine.train_step, batch, before_update=self.snapshots.wait_copy,
                                  global_rows=global_rows)
         return StepRecord(stats, Hops(self._arrived.at, t_engine, time.time()))
 
@@ -239,13 +239,40 @@ class Worker(SnapshotCalls):
         from zeroray.memory.report import measure
 
         measured = measure(self.engine, self.memory.report())
-        rss = current_rss_bytes()  # before the export below, which may allocate copies
-        # What one in-memory snapshot of this rank takes in the object store, outside this process
-        # (FailureConfig(snapshot_every), [Note: in-memory snapshots]): 1/N of the model states.
-        tensors, _ = self.engine.export_state(live=True)  # only the sizes are read
-        return MemoryReport(rank=self.rank, rss_bytes=rss,
-                            snapshot_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        rss = current_rss_bytes()  # before snapshot_bytes' export, which may allocate copies
+        return MemoryReport(rank=self.rank, rss_bytes=rss, snapshot_bytes=snapshot_bytes(self.engine),
                             details=measured)
+
+    # --- in-memory snapshots ([Note: in-memory snapshots] in runtime/snapshot.py) -----------------
+
+    @ray.method(concurrency_group="copy")
+    def hold_copy(self, shard_refs: List[Any]) -> None:
+        """A buddy's copy of another rank's snapshot shard ([Note: buddy copies]), beside any step."""
+        self.snapshots.hold(shard_refs)
+
+    def snapshot_shard(self, ticket: Ticket) -> Tuple[Any, Any, Any]:
+        """fit's in-memory snapshot of this rank's state: (shard, rank 0's untrained state or None, a
+        small record), three Ray objects the driver owns. Called with num_returns=3 and ``after_ok``
+        behind the step it captures; not ``engine_call`` only so that a cancelled call still returns
+        three values. Its turn only captures what the next step's forward may change; the state is
+        exported after the turn, beside that forward, and Ray's store of it is the copy ([Note:
+        overlapped snapshot copy])."""
+        self._arrived.at = time.time()
+        taken = self._sequencer.run(ticket, lambda: self.snapshots.capture(self.engine, self.rank))
+        if isinstance(taken, Cancelled):
+            return taken, None, taken
+        return self.snapshots.copy_out(taken)
+
+    @engine_call
+    def stage_snapshot(self, old_layout: FlatLayout, shard_refs: List[Any], untrained_refs: List[Any]
+                       ) -> Optional[str]:
+        """Recovery, first half (no collective): see ``SnapshotSide.stage``."""
+        return self.snapshots.stage(self.engine, old_layout, shard_refs, untrained_refs)
+
+    @engine_call
+    def apply_snapshot(self) -> int:
+        """Recovery, second half: import the staged state (collective at stages 1-2)."""
+        return self.snapshots.apply(self.engine)
 
     # --- state -----------------------------------------------------------------------------
 
@@ -304,13 +331,9 @@ class Worker(SnapshotCalls):
         """Resize, new side: this rank's state from the old workers' pieces for it, fetched one at a
         time (the refs arrive in a list, so Ray does not fetch them all before the call), and the
         old rank 0's buffers and frozen parameters (``untrained_state``)."""
-        from zeroray.runtime.worker.state_transfer import PieceAssembler
+        from zeroray.runtime.worker.state_transfer import fetch_pieces
 
-        layout, _ = self.engine.state_layout()
-        assembler = PieceAssembler(layout)
-        for ref in piece_refs:
-            assembler.add(ray.get(ref))
-        self.engine.import_state(*assembler.state())
+        self.engine.import_state(*fetch_pieces(self.engine.state_layout()[0], piece_refs))
         self.engine.import_untrained(untrained)
         return self.engine.step_count
 

@@ -74,8 +74,8 @@ class Sequencer:
 def engine_call(method: Optional[Callable] = None, *, waits_for_copy: bool = True) -> Callable:
     """An actor method that touches the engine: called as ``method(ticket, *args)``, it runs in
     its ticket's turn (see [Note: one engine call at a time]), and once the snapshot copy before
-    it is done ([Note: overlapped snapshot copy] in snapshot.py); ``waits_for_copy=False``: a
-    step, which waits for it only before its update."""
+    it is done (the actor's ``snapshots``, snapshot_side.py: [Note: overlapped snapshot copy] in
+    runtime/snapshot.py); ``waits_for_copy=False``: a step, which waits for it only before its update."""
     if method is None:
         return functools.partial(engine_call, waits_for_copy=waits_for_copy)
 
@@ -84,7 +84,7 @@ def engine_call(method: Optional[Callable] = None, *, waits_for_copy: bool = Tru
 
         def run() -> Any:
             if waits_for_copy:
-                self._wait_copy()
+                self.snapshots.wait_copy()
             return method(self, *args, **kwargs)
         return self._sequencer.run(ticket, run)
 

@@ -1,12 +1,12 @@
 """The worker's half of an in-memory snapshot: capture it between two steps, copy it out beside
-the next one, and assemble a new worker's state from the old shards on recovery. See [Note:
-in-memory snapshots] and [Note: overlapped snapshot copy] in runtime/snapshot.py, the driver's half."""
+the next one, hold a buddy's copy, and assemble a new worker's state from the old shards on
+recovery (``SnapshotSide``, which the actor's snapshot calls delegate to). See [Note: in-memory
+snapshots] and [Note: overlapped snapshot copy] in runtime/snapshot.py, the driver's half."""
 from __future__ import annotations
 
 import base64
 import gc
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -17,10 +17,9 @@ import torch
 from zeroray.layout.arena import FlatLayout
 from zeroray.runtime.records import SnapshotRecord
 from zeroray.runtime.worker.state_transfer import PieceAssembler, cut_pieces, from_wire, to_wire
-from zeroray.runtime.worker.sequencer import Cancelled, Ticket, engine_call
 
 # How long an engine call waits for a snapshot's arrays to be let go of before it runs the
-# cycle collector (see SnapshotCalls._wait_copy).
+# cycle collector (see SnapshotSide.wait_copy).
 RELEASE_POLL_S = 10.0
 
 
@@ -28,12 +27,14 @@ RELEASE_POLL_S = 10.0
 class Capture:
     """What a snapshot takes in its turn between two steps ([Note: overlapped snapshot copy]):
     what the next step's forward may change (the random generator, rank 0's buffers), the
-    step, and the engine whose state ``copy_shard`` then copies beside that forward."""
+    step, and the engine whose state ``copy_shard`` then copies beside that forward. ``stored``:
+    set once Ray has stored that copy (the next update waits for it)."""
 
     engine: Any
     rng: torch.Tensor
     untrained: Any
     step: int
+    stored: Optional[threading.Event] = None
 
 
 def capture(engine: Any, rank: int) -> Capture:
@@ -99,57 +100,62 @@ def assemble(old_layout: FlatLayout, target: Tuple[FlatLayout, int], shard_refs:
     return assembler.state(), ray.get(untrained_refs[0])
 
 
-class SnapshotCalls:
-    """The actor's snapshot calls: take one behind a step, hold a buddy's copy, stage and apply one
-    on recovery. Mixed into ``Worker`` (actor.py), whose state it is (``engine``, ``rank``, the
-    sequencer, ``_copy``, ``_copy_done``, ``_staged``)."""
+def snapshot_bytes(engine: Any) -> int:
+    """What one in-memory snapshot of this rank takes in the object store, outside this process
+    (FailureConfig(snapshot_every), [Note: in-memory snapshots]): 1/N of the model states."""
+    tensors, _ = engine.export_state(live=True)  # only the sizes are read
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
-    @ray.method(concurrency_group="copy")
-    def hold_copy(self, shard_refs: List[Any]) -> None:
-        """Fetch another rank's snapshot shard into this node's object store and hold it there
-        until the next one ([Note: buddy copies] in runtime/snapshot.py). The ref arrives in a
-        list so that Ray does not fetch it before the call; a shard lost already is skipped."""
-        self._copy = None  # the previous copy goes first: one held at a time
+
+class SnapshotSide:
+    """One worker's half of the in-memory snapshots, and the only writer of its state: the buddy's
+    shard held here, the copy of this rank's last snapshot until Ray has stored it, the state
+    staged on recovery. The actor's snapshot calls (worker/actor.py) are thin: their turns and
+    concurrency groups are the actor's, the work is here."""
+
+    def __init__(self) -> None:
+        self._held: Any = None  # another rank's snapshot shard held here ([Note: buddy copies] in runtime/snapshot.py)
+        self._copying: Optional[threading.Event] = None  # set once the last snapshot's copy is stored
+        self._staged: Any = None  # recovery: the state ``stage`` assembled, until ``apply``
+
+    def hold(self, shard_refs: List[Any]) -> None:
+        """``Worker.hold_copy``: fetch another rank's snapshot shard into this node's object store and
+        hold it there until the next one ([Note: buddy copies] in runtime/snapshot.py). The ref
+        arrives in a list so that Ray does not fetch it before the call; a shard lost already is
+        skipped."""
+        self._held = None  # the previous copy goes first: one held at a time
         try:
-            self._copy = ray.get(shard_refs[0])
+            self._held = ray.get(shard_refs[0])
         except Exception:  # noqa: BLE001 - nothing to copy; the snapshot's own copy decides
-            self._copy = None
+            self._held = None
 
-    def snapshot_shard(self, ticket: Ticket) -> Tuple[Any, Any, Any]:
-        """fit's in-memory snapshot of this rank's state ([Note: in-memory snapshots] in
-        runtime/snapshot.py): (shard, rank 0's untrained state or None, a small record), three
-        Ray objects the driver owns. Called with num_returns=3 and ``after_ok`` behind the step
-        it captures; not ``engine_call`` only so that a cancelled call still returns three
-        values. Its turn only captures what the next step's forward may change; the state is
-        exported after the turn, beside that forward, and Ray's store of it is the copy
-        ([Note: overlapped snapshot copy])."""
-        self._arrived.at = time.time()
-        done = threading.Event()
+    def capture(self, engine: Any, rank: int) -> Any:
+        """``Worker.snapshot_shard``'s turn: what the next step's forward may change (a ``Capture``),
+        once the snapshot before it is stored; with offload="disk" the whole shard, since the disk
+        tier reads and writes beside the next step ([Note: overlapped snapshot copy])."""
+        self.wait_copy()  # the snapshot before (none is taken twice without a step between)
+        taken = capture(engine, rank)
+        if engine.zero.offload is not None:
+            return copy_shard(taken, released=lambda: None)
+        taken.stored = self._copying = threading.Event()
+        return taken
 
-        def take() -> Any:
-            self._wait_copy()  # the snapshot before (none is taken twice without a step between)
-            taken = capture(self.engine, self.rank)
-            if self.engine.zero.offload is not None:  # the disk tier reads and writes beside the next step
-                return copy_shard(taken, released=lambda: None)
-            self._copy_done = done
+    def copy_out(self, taken: Any) -> Tuple[Any, Any, Any]:
+        """After the turn, beside the next step's forward: the shard of ``capture``'s answer (as it
+        is when the turn exported it already). Its arrays may be views of the live state: the
+        update waits until Ray has stored them ([Note: overlapped snapshot copy])."""
+        if not isinstance(taken, Capture):
             return taken
-        out = self._sequencer.run(ticket, take)
-        if isinstance(out, Cancelled):
-            return out, None, out
-        if not isinstance(out, Capture):
-            return out
         try:
-            # The shard may hold views of the live state: ``done`` is set once Ray has stored
-            # them, after this method returned ([Note: overlapped snapshot copy]).
-            return copy_shard(out, released=done.set)
+            return copy_shard(taken, released=taken.stored.set)
         except BaseException:
-            done.set()  # nothing of the live state was returned
+            taken.stored.set()  # nothing of the live state was returned
             raise
 
-    def _wait_copy(self) -> None:
+    def wait_copy(self) -> None:
         """Wait for the snapshot copy in progress, if any, to be stored ([Note: overlapped snapshot
         copy] in runtime/snapshot.py)."""
-        done = self._copy_done
+        done = self._copying
         if done is None:
             return
         # Ray lets go of the returned arrays right after storing them. Were they caught in a
@@ -157,13 +163,12 @@ class SnapshotCalls:
         while not done.wait(RELEASE_POLL_S):
             gc.collect()
 
-    @engine_call
-    def stage_snapshot(self, old_layout: FlatLayout, shard_refs: List[Any], untrained_refs: List[Any]
-                       ) -> Optional[str]:
-        """Recovery, first half: fetch and assemble this rank's state from a snapshot (no
-        collective). None when done; what went wrong when a shard is lost (the driver then falls
-        back to the disk checkpoint, with no worker left waiting in a collective)."""
-        layout, rank = self.engine.state_layout()
+    def stage(self, engine: Any, old_layout: FlatLayout, shard_refs: List[Any],
+              untrained_refs: List[Any]) -> Optional[str]:
+        """``Worker.stage_snapshot``, recovery's first half: fetch and assemble this rank's state from
+        a snapshot (no collective). None when done; what went wrong when a shard is lost (the driver
+        then falls back to the disk checkpoint, with no worker left waiting in a collective)."""
+        layout, rank = engine.state_layout()
         try:
             self._staged = assemble(old_layout, (layout, rank), shard_refs, untrained_refs)
         except Exception as error:  # noqa: BLE001 - reported to the driver, which falls back
@@ -171,11 +176,14 @@ class SnapshotCalls:
             return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         return None
 
-    @engine_call
-    def apply_snapshot(self) -> int:
-        """Recovery, second half: import the staged state (collective at stages 1-2)."""
+    def apply(self, engine: Any) -> int:
+        """``Worker.apply_snapshot``: import the staged state into ``engine``; its step count."""
         (tensors, scalars), untrained = self._staged
         self._staged = None
-        self.engine.import_state(tensors, scalars)
-        self.engine.import_untrained(untrained)
-        return self.engine.step_count
+        engine.import_state(tensors, scalars)
+        engine.import_untrained(untrained)
+        return engine.step_count
+
+    def drop_staged(self) -> None:
+        """The engine the staged state was for is gone (a new setup)."""
+        self._staged = None

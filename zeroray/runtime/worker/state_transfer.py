@@ -25,6 +25,7 @@ import warnings
 from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
+import ray
 import torch
 
 from zeroray.layout.arena import FlatLayout
@@ -116,3 +117,13 @@ class PieceAssembler:
         if "groups" not in self.scalars:
             return self.tensors, self.scalars
         return self.tensors, {**self.scalars, "groups": {**self.groups, **self.scalars["groups"]}}
+
+
+def fetch_pieces(new_layout: FlatLayout, piece_refs: Sequence[Any]
+                 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Resize, new side (``Worker.load_pieces``): this rank's (tensors, scalars) from the old workers'
+    pieces for it, fetched one at a time and each dropped before the next."""
+    assembler = PieceAssembler(new_layout)
+    for ref in piece_refs:
+        assembler.add(ray.get(ref))
+    return assembler.state()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import ray
@@ -40,8 +41,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from zeroray.config import ScalingConfig
 from zeroray.runtime.failures import PlacementError
-from zeroray.runtime.worker.actor import ENGINE_THREADS
-from zeroray.runtime.worker_group.spares import Slot
+from zeroray.runtime.records import WorkerSpec
+from zeroray.runtime.worker.actor import CONCURRENCY_GROUPS, ENGINE_THREADS, Worker
+from zeroray.runtime.worker_group.spares import Slot, Spare, drop_dead_spares, take_spare
 
 
 def ensure_ray(scaling: ScalingConfig) -> None:
@@ -85,18 +87,51 @@ def cluster_offer() -> str:
             f"GPU {total.get('GPU', 0):g} (free {free.get('GPU', 0):g}) on {len(ray.nodes())} node(s)")
 
 
-class Placement:
-    """A WorkerGroup's placement groups, actors and spares; mixed into ``WorkerGroup`` (group.py),
-    whose state it is."""
+@dataclass(frozen=True)
+class Replacement:
+    """A worker for a lost rank (``Placement.replacement``): ``imported`` is its warm call, which
+    has returned once it imported what setup imports (a spare's warm-up, or a new actor's
+    imports); ``spare``: it was a spare, ``warm``: one whose warm-up had finished."""
 
-    def _reserve(self, count: int) -> List[Slot]:
-        """Place ``count`` bundles with the scaling's strategy, waited for up to placement_timeout_s:
-        one placement group of ``count`` bundles, or with spares one of a bundle each, on the nodes
-        the strategy chose ([Note: spare placement]); or take the given placement group's bundles
-        ([Note: given placement group]). Raises PlacementError."""
+    actor: Any
+    imported: Any
+    spare: bool = False
+    warm: bool = False
+
+
+class Placement:
+    """Where one worker group's actors run, and the only writer of it: the placement groups held,
+    each rank's slot (a bundle of one of them), the spares and their slots ([Note: spare
+    placement]). The group (group.py) holds the actors by rank; this holds where they are."""
+
+    def __init__(self, spec: WorkerSpec, scaling: ScalingConfig, spares: int) -> None:
+        self.scaling = scaling
+        self.pg = None  # the one placement group of every rank's bundle, when the ranks share one
+        self.slots: List[Optional[Slot]] = []  # per rank: its slot; None: outside any placement group
+        self.spares: List[Spare] = []  # warm actors, each (actor, its slot, its warm call), in start order
+        self._spare_count = spares  # how many spares to keep
+        # [Note: spare placement]: with spares, every rank and spare holds a placement group of
+        # one bundle, so that a spare's reservation is released on its own.
+        self._singles = spares > 0
+        self._pgs: List[Any] = []  # every placement group held here (removed by close)
+        self._freed: List[Optional[Slot]] = []  # the slots a replacement freed, until restock
+        self._closed = False
+        self._spec = spec  # what a spare warms up for
+        self._threads = scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker))
+        self._actor_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)  # once: every actor, spares too
+        self._bundle = {"CPU": scaling.cpus_per_worker}
+        if scaling.use_gpu:
+            self._bundle["GPU"] = 1
+
+    def reserve(self, count: int) -> None:
+        """Place ``count`` bundles, one per rank, with the scaling's strategy, waited for up to
+        placement_timeout_s: one placement group of ``count`` bundles, or with spares one of a
+        bundle each, on the nodes the strategy chose ([Note: spare placement]); or take the given
+        placement group's bundles ([Note: given placement group]). Raises PlacementError."""
         scaling, bundle = self.scaling, self._bundle
         if scaling.placement_group is not None:
-            return self._given_bundles(count)
+            self.slots = self._given_bundles(count)
+            return
         deadline = time.monotonic() + scaling.placement_timeout_s
         gang = placement_group([dict(bundle) for _ in range(count)], strategy=scaling.placement_strategy)
         pgs = [gang]
@@ -104,7 +139,8 @@ class Placement:
             _wait_placed(pgs, deadline)
             if not self._singles:
                 self.pg, self._pgs = gang, [gang]
-                return [(gang, i) for i in range(count)]
+                self.slots = [(gang, i) for i in range(count)]
+                return
             nodes = ray.util.placement_group_table(gang)["bundles_to_node_id"]
             remove_placement_group(gang)
             pgs = [_single(bundle, nodes.get(i)) for i in range(count)]
@@ -119,7 +155,7 @@ class Placement:
                 f"{cluster_offer()}. Ask for fewer workers (ScalingConfig.num_workers), fewer CPUs per worker "
                 "(cpus_per_worker), or add nodes.") from None
         self._pgs = list(pgs)
-        return [(pg, 0) for pg in pgs]
+        self.slots = [(pg, 0) for pg in pgs]
 
     def _given_bundles(self, count: int) -> List[Slot]:
         """The slots of the first ``count`` bundles ScalingConfig names in a placement group made
@@ -145,7 +181,11 @@ class Placement:
                                  f"{scaling.placement_timeout_s:g}: {cluster_offer()}") from None
         return [(pg, i) for i in indices[:count]]
 
-    def _new_actor(self, rank: int, slot: Optional[Slot]) -> Any:
+    def new_actor(self, rank: int) -> Any:
+        """A worker actor for ``rank``, in the rank's slot."""
+        return self._actor(rank, self.slots[rank])
+
+    def _actor(self, rank: int, slot: Optional[Slot]) -> Any:
         """A worker actor in ``slot`` (a placement group's bundle), or outside any (None); rank -1: a spare."""
         scaling = self.scaling
         strategy = "DEFAULT" if slot is None else PlacementGroupSchedulingStrategy(
@@ -153,12 +193,14 @@ class Placement:
         return self._actor_cls.options(
             num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
             scheduling_strategy=strategy, max_concurrency=ENGINE_THREADS, max_restarts=0,
-            name=None).remote(rank, self.num_workers, self._threads, scaling.use_gpu)
+            name=None).remote(rank, len(self.slots), self._threads, scaling.use_gpu)
+
+    # --- spares ([Note: spare placement]; which one a replacement takes: spares.py) ------------
 
     def start_spares(self) -> None:
         """Start spares up to the count kept, each in a placement group of its own ([Note: spare
-        placement]); neither the placement nor the warm-up is waited for. None once shut down."""
-        if not self.actors:
+        placement]); neither the placement nor the warm-up is waited for. None once closed."""
+        if self._closed:
             return
         for _ in range(self._spare_count - len(self.spares)):
             self._add_spare(None)
@@ -171,6 +213,40 @@ class Placement:
             kill(actor)
             self._release(slot)
 
+    def spares_warm(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait up to ``timeout_s`` for every spare to be started and warm; whether they are."""
+        refs = [ref for _, _, ref in self.spares]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        return len(ready) == len(refs)
+
+    def drop_dead_spares(self) -> None:
+        """Before a replacement: drop the spares that died (spares.py); their slots are freed."""
+        self.spares, dead = drop_dead_spares(self.spares)
+        self._freed += dead
+
+    def replacement(self, rank: int, spec: WorkerSpec) -> Replacement:
+        """A worker for lost rank ``rank`` ([Note: replace, don't restart] in reform.py): a spare,
+        which takes its own slot along (the rank's old slot is freed), or else a new actor in the
+        rank's slot (where Ray places the bundle again if its node died)."""
+        taken = take_spare(self.spares)
+        if taken is None:
+            actor = self.new_actor(rank)
+            return Replacement(actor, actor.warm.remote(spec))
+        (actor, slot, warm_call), warm = taken
+        self._freed.append(self.slots[rank])
+        self.slots[rank] = slot
+        return Replacement(actor, warm_call, spare=True, warm=warm)
+
+    def restock(self) -> None:
+        """After a replacement, its re-form done or failed: spares again in the slots it freed, up
+        to the count kept (not sooner: they would slow the re-form), the other slots released."""
+        freed, self._freed = self._freed, []
+        keep = max(0, self._spare_count - len(self.spares)) if not self._closed else 0
+        for slot in freed[:keep]:
+            self._add_spare(slot)
+        for slot in freed[keep:]:
+            self._release(slot)
+
     def _add_spare(self, slot: Optional[Slot]) -> None:
         """Start a spare in ``slot`` (None: in a new placement group of its own) and have it load
         what a build imports; not waited for."""
@@ -178,8 +254,18 @@ class Placement:
             pg = _single(self._bundle, None)
             self._pgs.append(pg)
             slot = (pg, 0)
-        actor = self._new_actor(-1, slot)
+        actor = self._actor(-1, slot)
         self.spares.append((actor, slot, actor.warm.remote(self._spec)))
+
+    # --- releasing ---------------------------------------------------------------------------
+
+    def keep_only(self, ranks: Sequence[int]) -> None:
+        """A group shrunk to ``ranks`` ([Note: shrink in memory] in reform.py): the other ranks'
+        slots are released (a bundle of a shared placement group stays reserved, empty)."""
+        for rank, slot in enumerate(self.slots):
+            if rank not in ranks:
+                self._release(slot)
+        self.slots = [self.slots[r] for r in ranks]
 
     def _release(self, slot: Optional[Slot]) -> None:
         """Remove ``slot``'s placement group, when it is one of a bundle of its own (a spare's)."""
@@ -190,8 +276,15 @@ class Placement:
             except Exception:  # noqa: BLE001 - already removed
                 pass
 
-    def spares_warm(self, timeout_s: Optional[float] = None) -> bool:
-        """Wait up to ``timeout_s`` for every spare to be started and warm; whether they are."""
-        refs = [ref for _, _, ref in self.spares]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        return len(ready) == len(refs)
+    def close(self) -> None:
+        """Kill the spares and remove every placement group held (no call is waited for)."""
+        self._closed = True
+        for actor, _, _ in self.spares:
+            kill(actor)
+        self.spares = []
+        pgs, self._pgs, self.pg = self._pgs, [], None
+        for pg in pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001
+                pass

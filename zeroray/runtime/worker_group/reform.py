@@ -1,5 +1,9 @@
 """Re-forming a worker group after a failure: put new workers in the lost ranks, or shrink to the survivors.
 
+``replace`` and ``shrink`` work on a ``WorkerGroup`` (group.py) through its public methods (``seat``,
+``keep_only``, ``rejoin``, ``tear_down``) and on its ``Placement`` (placement.py) for the spares and
+slots; the controller's recovery (controller/recovery.py) calls them.
+
 [Note: replace, don't restart]
 While a fit keeps in-memory snapshots, the group is built with ``keep_survivors`` set: on one
 of those three kinds of failure, the driver kills only the workers that are dead or did not
@@ -52,10 +56,10 @@ gloo connecting every pair). Its survivors join at once; the replacement joins a
 starts. When the replacement dies before it joined (chaos's "replacement killed during
 re-form"), the survivors wait in the rendezvous for a peer that never comes: bounded by the
 collective timeout, they were still waiting when the driver's grace ended, were killed, and the
-whole group restarted. So a re-form's rendezvous has a timeout of its own,
-``rendezvous_timeout_s`` (``REFORM_RENDEZVOUS_S``, at most the collective timeout), after which
-each survivor's setup raises ``RendezvousError`` with its process intact (its state comes back
-from the snapshot, as after any replacement); the collectives afterwards keep
+whole group restarted. So a re-form's rendezvous has a timeout of its own, the group's
+``rendezvous_timeout_s`` (``REFORM_RENDEZVOUS_S`` in group.py, at most the collective timeout),
+after which each survivor's setup raises ``RendezvousError`` with its process intact (its state
+comes back from the snapshot, as after any replacement); the collectives afterwards keep
 ``collective_timeout_s``. So that the timeout can be short, the rendezvous waits for no import:
 the driver first waits for every new worker's ``warm`` call (a spare's warm-up, or a new actor's
 imports of what setup imports). The driver waits for the survivors' errors (a grace of twice the
@@ -76,123 +80,93 @@ failure restarts the whole group anyway.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Dict, List, Sequence
 
 import ray
 
 from zeroray.runtime.failures import PlacementError, WorkerDiedError, first_line
 from zeroray.runtime.records import WorkerSpec, node_list
-from zeroray.runtime.worker_group.failure_detection import FAILURE_GRACE_S
-from zeroray.runtime.worker_group.placement import cluster_offer, kill
-from zeroray.runtime.worker_group.spares import drop_dead_spares, take_spare
-
-# The rendezvous of a re-form (its store and connections), not its collectives: see [Note:
-# rendezvous timeout].
-REFORM_RENDEZVOUS_S = 3.0
+from zeroray.runtime.worker_group.group import WorkerGroup
+from zeroray.runtime.worker_group.placement import cluster_offer
 
 
-class Reform:
-    """``replace`` and ``shrink``; mixed into ``WorkerGroup`` (group.py), whose state it is."""
+def replace(group: WorkerGroup, spec: WorkerSpec, timeout_s: float) -> Dict[str, float]:
+    """Put a worker in every rank of ``group`` that is not a survivor (a spare, or a new actor in
+    the rank's bundle), then re-form the collective group at the same size with every worker
+    building its engine again. Returns the seconds of each phase. Raises PlacementError when a new
+    worker does not start within ``timeout_s`` (the caller then restarts the whole group); a
+    worker failure during it raises as ``wait_all`` does (the group is broken again)."""
+    if group.failed is None or not group.survivors:
+        raise RuntimeError("replace: the group has no survivors to keep (a zeroray bug)")
+    t0 = time.monotonic()
+    lost = [r for r in range(group.num_workers) if r not in group.survivors]
+    placement = group.placement
+    placement.drop_dead_spares()
+    new = []
+    for rank in lost:
+        worker = placement.replacement(rank, spec)
+        group.seat(rank, worker.actor)
+        new.append(worker)
+    try:
+        return _re_form(group, spec, timeout_s, lost, t0, sum(w.spare for w in new),
+                        sum(w.spare and not w.warm for w in new), [w.imported for w in new])
+    finally:  # spares again, where the lost workers were; not before the re-form, which they would slow
+        placement.restock()
 
-    def replace(self, spec: WorkerSpec, timeout_s: float) -> Dict[str, float]:
-        """Put a worker in every rank that is not a survivor (a spare, or a new actor in the rank's
-        bundle), then re-form the collective group at the same size with every worker building
-        its engine again. Returns the seconds of each phase. Raises PlacementError when a new
-        worker does not start within ``timeout_s`` (the caller then restarts the whole group);
-        a worker failure during it raises as ``wait_all`` does (the group is broken again)."""
-        if self.failed is None or not self.survivors:
-            raise RuntimeError("replace: the group has no survivors to keep (a zeroray bug)")
-        t0 = time.monotonic()
-        lost = [r for r in range(self.num_workers) if r not in self.survivors]
-        self.spares, freed = drop_dead_spares(self.spares)
-        used_spares = cold_spares = 0
-        warming = {id(actor): ref for actor, _, ref in self.spares}
-        imported = []  # per new worker, its warm call: it has imported what setup imports once returned
-        for rank in lost:
-            spare = take_spare(self.spares)
-            if spare is not None:
-                freed.append(self.bundles[rank])
-                self.actors[rank], self.bundles[rank], warm = spare
-                imported.append(warming[id(self.actors[rank])])
-                used_spares += 1
-                cold_spares += not warm
-            else:  # the new actor takes the lost one's bundle (where Ray places it again if its node died)
-                self.actors[rank] = self._new_actor(rank, self.bundles[rank])
-                imported.append(self.actors[rank].warm.remote(spec))
-            self._next_seq[rank] = 0
-        try:
-            return self._re_form(spec, timeout_s, lost, t0, used_spares, cold_spares, imported)
-        finally:  # spares again, where the lost workers were; not before the re-form, which they would slow
-            keep = max(0, self._spare_count - len(self.spares)) if self._pgs else 0
-            for slot in freed[:keep]:
-                self._add_spare(slot)
-            for slot in freed[keep:]:
-                self._release(slot)
 
-    def shrink(self, spec: WorkerSpec, timeout_s: float) -> Dict[str, float]:
-        """Re-form the group of the survivors alone, renumbered in rank order, every one building
-        its engine again for the smaller world ([Note: shrink in memory]). The lost ranks' workers
-        (a replacement that could not start included) are killed and their slots released.
-        Returns the seconds of each phase; a worker failure during it raises as ``wait_all`` does."""
-        if self.failed is None or not self.survivors:
-            raise RuntimeError("shrink: the group has no survivors to keep (a zeroray bug)")
-        t0 = time.monotonic()
-        keep = sorted(self.survivors)
-        lost = [r for r in range(self.num_workers) if r not in keep]
-        for rank in lost:
-            kill(self.actors[rank])
-            self._release(self.bundles[rank])
-        self.actors = [self.actors[r] for r in keep]
-        self.bundles = [self.bundles[r] for r in keep]
-        self._next_seq = [self._next_seq[r] for r in keep]
-        self.num_workers = len(keep)
-        return {**self._re_form(spec, timeout_s, lost, t0, 0, 0), "replaced": 0, "shrunk_from": len(keep) + len(lost)}
+def shrink(group: WorkerGroup, spec: WorkerSpec, timeout_s: float) -> Dict[str, float]:
+    """Re-form the group of the survivors alone, renumbered in rank order, every one building
+    its engine again for the smaller world ([Note: shrink in memory]). The lost ranks' workers
+    (a replacement that could not start included) are killed and their slots released.
+    Returns the seconds of each phase; a worker failure during it raises as ``wait_all`` does."""
+    if group.failed is None or not group.survivors:
+        raise RuntimeError("shrink: the group has no survivors to keep (a zeroray bug)")
+    t0 = time.monotonic()
+    keep = sorted(group.survivors)
+    lost = [r for r in range(group.num_workers) if r not in keep]
+    group.keep_only(keep)
+    return {**_re_form(group, spec, timeout_s, lost, t0, 0, 0), "replaced": 0, "shrunk_from": len(keep) + len(lost)}
 
-    def _re_form(self, spec: WorkerSpec, timeout_s: float, lost: List[int], t0: float, used_spares: int,
-                 cold_spares: int, imported: Sequence[Any] = ()) -> Dict[str, float]:
-        """``replace``'s second half: wait for the new workers to start and to have imported what
-        setup imports (``imported``: their warm calls), so that the rendezvous, which has a short
-        timeout of its own ([Note: rendezvous timeout]), waits for no import; then the rendezvous
-        and the builds."""
-        refs = self.poll("node_info")
-        ready, _ = ray.wait(refs + list(imported), num_returns=len(refs) + len(imported), timeout=timeout_s)
-        if len(ready) < len(refs) + len(imported):
-            raise PlacementError(f"replace: the new worker(s) for rank(s) {lost} did not start within "
-                                 f"{timeout_s:g} s: {cluster_offer()}")
-        self._answers(list(imported), "start")
-        self.nodes = node_list(self._answers(refs, "start"))
-        t1 = time.monotonic()
-        master_port = self._answers(self.poll("free_port", ranks=[0]), "re-form the group")[0]
-        spec = spec.in_group(f"zr-{uuid.uuid4().hex[:8]}")
-        self.failed, self.survivors = None, []
-        joining = self.rendezvous_timeout_s
-        self.setup_info = self.wait_all(self.call("setup", per_rank=[(spec, self.nodes[0].ip, master_port, r,
-                                                                  self.num_workers, joining)
-                                                                 for r in range(self.num_workers)]),
-                                        None, "re-form the group", grace_s=2 * joining + FAILURE_GRACE_S)
-        return {"replaced": len(lost), "spares_used": used_spares, "cold_spares": cold_spares,
-                "replace_start_s": t1 - t0,
-                "setup_s": time.monotonic() - t1, "rendezvous_s": max(i.rendezvous_s for i in self.setup_info),
-                "build_s": max(i.build_s for i in self.setup_info)}
 
-    def _answers(self, refs: List[Any], what: str) -> List[Any]:
-        """ray.get of polls during ``replace``; when a worker died meanwhile, the group fails as
-        ``wait_all`` makes it fail (the ones still alive kept), so the caller can replace again."""
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as error:
-            probes = [a.node_info.remote() for a in self.actors]
-            ready, _ = ray.wait(probes, num_returns=len(probes), timeout=5.0)
-            alive = []
-            for rank, ref in enumerate(probes):
-                try:
-                    if ref in ready:
-                        ray.get(ref)
-                        alive.append(rank)
-                except ray.exceptions.RayActorError:
-                    pass
-            dead = [r for r in range(self.num_workers) if r not in alive]
-            message = f"replace ({what}): worker(s) {dead} died: {first_line(error)}"
-            self._tear_down(message, alive)
-            raise WorkerDiedError(message, dead, error) from error
+def _re_form(group: WorkerGroup, spec: WorkerSpec, timeout_s: float, lost: List[int], t0: float, used_spares: int,
+             cold_spares: int, imported: Sequence[Any] = ()) -> Dict[str, float]:
+    """The second half of a re-form: wait for the new workers to start and to have imported what
+    setup imports (``imported``: their warm calls), so that the rendezvous, which has a short
+    timeout of its own ([Note: rendezvous timeout]), waits for no import; then the rendezvous
+    and the builds (``WorkerGroup.rejoin``)."""
+    refs = group.poll("node_info")
+    ready, _ = ray.wait(refs + list(imported), num_returns=len(refs) + len(imported), timeout=timeout_s)
+    if len(ready) < len(refs) + len(imported):
+        raise PlacementError(f"replace: the new worker(s) for rank(s) {lost} did not start within "
+                             f"{timeout_s:g} s: {cluster_offer()}")
+    _answers(group, list(imported), "start")
+    nodes = node_list(_answers(group, refs, "start"))
+    t1 = time.monotonic()
+    master_port = _answers(group, group.poll("free_port", ranks=[0]), "re-form the group")[0]
+    group.rejoin(spec, nodes, master_port)
+    return {"replaced": len(lost), "spares_used": used_spares, "cold_spares": cold_spares,
+            "replace_start_s": t1 - t0,
+            "setup_s": time.monotonic() - t1, "rendezvous_s": max(i.rendezvous_s for i in group.setup_info),
+            "build_s": max(i.build_s for i in group.setup_info)}
+
+
+def _answers(group: WorkerGroup, refs: List[Any], what: str) -> List[Any]:
+    """ray.get of polls during a re-form; when a worker died meanwhile, the group fails as
+    ``wait_all`` makes it fail (the ones still alive kept), so the caller can replace again."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError as error:
+        probes = [a.node_info.remote() for a in group.actors]
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=5.0)
+        alive = []
+        for rank, ref in enumerate(probes):
+            try:
+                if ref in ready:
+                    ray.get(ref)
+                    alive.append(rank)
+            except ray.exceptions.RayActorError:
+                pass
+        dead = [r for r in range(group.num_workers) if r not in alive]
+        message = f"replace ({what}): worker(s) {dead} died: {first_line(error)}"
+        group.tear_down(message, alive)
+        raise WorkerDiedError(message, dead, error) from error

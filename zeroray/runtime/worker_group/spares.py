@@ -1,9 +1,9 @@
 """Warm spare workers: which one a replacement takes, and which are dead.
 
-A spare is ``(actor, its slot, its warm call's ref)``, kept by the WorkerGroup in start order;
-a slot is ``(placement group, bundle index)`` (None: outside any). See [Note: replace, don't
-restart] in worker_group/reform.py for why spares exist and when they are started, and [Note: spare
-placement] in placement.py for where.
+A spare is ``(actor, its slot, its warm call's ref)``, kept by the group's ``Placement``
+(placement.py) in start order; a slot is ``(placement group, bundle index)`` (None: outside
+any). See [Note: replace, don't restart] in worker_group/reform.py for why spares exist and when
+they are started, and [Note: spare placement] in placement.py for where.
 """
 from __future__ import annotations
 
@@ -19,16 +19,15 @@ Spare = Tuple[Any, Optional[Slot], Any]
 _SPARE_PING_S = 2.0
 
 
-def take_spare(spares: List[Spare]) -> Optional[Tuple[Any, Optional[Slot], bool]]:
-    """Remove from ``spares`` the one to put in a lost rank and return it as (actor, slot,
-    whether it was warm): a warm one first (its warm call returned); else the one started
-    first (further along than a new actor would be); None when there is none."""
+def take_spare(spares: List[Spare]) -> Optional[Tuple[Spare, bool]]:
+    """Remove from ``spares`` the one to put in a lost rank and return it with whether it was
+    warm: a warm one first (its warm call returned); else the one started first (further along
+    than a new actor would be); None when there is none."""
     if not spares:
         return None
     ready = _warm(spares)
     warm = [i for i, (_, _, ref) in enumerate(spares) if ref in ready]
-    actor, slot, _ = spares.pop(warm[0] if warm else 0)
-    return actor, slot, bool(warm)
+    return spares.pop(warm[0] if warm else 0), bool(warm)
 
 
 def drop_dead_spares(spares: List[Spare]) -> Tuple[List[Spare], List[Optional[Slot]]]:
