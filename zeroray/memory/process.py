@@ -75,11 +75,13 @@ their pages back to the OS, but the blocks stay in the arena's bins, and glibc s
 from the smallest free block that holds it: the steps' transients (activations, gradients, the
 disk tier's buffers), cut from those holes instead of from memory the steps already use, spread
 over pages no step touched before, and the resident set grows to the holes they touched. When
-construction ran on the compute thread, that was where the steps' own arena came from: with the
-stage-3 parameter shard and optimizer state on disk, whose transients are a larger share of what
-a step holds, the worker's peak stood 50-80 MB higher at 29 layers (benchmarks/offload_steps.py,
-engine alone: 846-913 MB against 825-835, four runs each), 2.6 MB more per layer than the
-in-memory twin's. So ``build`` runs on a thread of its own (kept, so that its arena, with
+construction ran on the compute thread, that was where the steps' own arena came from. With the
+stage-3 parameter shard and optimizer state on disk the worker's peak stood 50-80 MB higher at 29
+layers for it (benchmarks/offload_steps.py, engine alone, fits.py's shape, peak RSS per rank:
+846-913 MB in three runs, 822-835 in four with construction apart), more the more layers (about
+8 and 30 MB at 6 and 14); in memory less (1333-1340 against 1310-1332 MB at 29 layers, within the
+runs' spread at 6). Why the offload worker's steps found construction's holes more often than the
+in-memory one's is not known. So ``build`` runs on a thread of its own (kept, so that its arena, with
 construction's holes, goes to no other thread), started only once the compute thread holds an
 arena of its own (glibc gives a new thread the arena of a thread that ended, or any arena once
 there are eight per core), and every step runs in an arena construction never used.
