@@ -4,13 +4,14 @@
     STAGE=1 python benchmarks/offload_steps.py ...                      # another stage (default 3)
 
 Two gloo processes, fits.py's GPT (d_model 512, 8 heads, 64 tokens x 2 sequences per worker), each
-building the engine on ProcessMemory's compute thread as runtime/worker.py does. After construction
-and after each step: RSS, the kernel's peak over the steps (VmHWM), glibc's arenas (``mallinfo2``:
-bytes from the OS, free, in mapped blocks, in use) and /proc/self/smaps' resident bytes by kind; between
-two steps, each anonymous mapping whose resident bytes changed by more than 1 MB (a 64 MiB-aligned one
-of about 64 MB is a thread arena's heap). Rank 0 also samples its RSS every 2 ms and, at each new high,
-records the compute thread's stack (where the peak is). Then memory_report's breakdown ([Note: RSS
-breakdown] in zeroray/memory/report.py). Writes OUT.<rank>.json and prints both ranks.
+building the engine with ProcessMemory.build and stepping it on ProcessMemory's compute thread, as
+runtime/worker does. After construction and after each step: RSS, the kernel's peak over the steps
+(VmHWM), glibc's arenas (``mallinfo2``: bytes from the OS, free, in mapped blocks, in use) and
+/proc/self/smaps' resident bytes by kind; between two steps, each anonymous mapping whose resident
+bytes changed by more than 1 MB (a 64 MiB-aligned one of about 64 MB is a thread arena's heap). Rank
+0 also samples its RSS every 2 ms and, at each new high, records the compute thread's stack (where
+the peak is). Then memory_report's breakdown ([Note: RSS breakdown] in zeroray/memory/report.py).
+Writes OUT.<rank>.json and prints both ranks.
 """
 import ctypes
 import json

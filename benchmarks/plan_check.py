@@ -327,17 +327,15 @@ def cpu(path: str, q: float = 0.5, without: tuple = (), busy_overlap: Optional[f
 
 # fits.py's runs (benchmarks/README.md, "Optimizer state on disk"): 2 workers, GPT d_model 512, 8 heads, 64
 # tokens x 2 sequences per worker, AdamW, a 1000 MB cap on each worker's peak RSS. Per row: the file, the
-# in-memory row (calibration) and the offload="disk" row (the check). The stage-3 fp32 offload row is that fix's
-# code, measured alone (fits.py --offload-only) beside the in-memory row of the earlier run, whose code the change
-# to the disk stepper ([Note: fresh state off the heap] in zeroray/offload/stepper.py) left as it was; it replaced
-# that run's two fp32 offload rows. The stage-3 bf16 offload row predates that change and was not re-measured.
+# in-memory row (calibration) and the offload="disk" row (the check), both from one fits.py run on the same code
+# (construction on a thread of its own: [Note: construction's arena] in zeroray/memory/process.py, which changes
+# the in-memory path too). The earlier files (fits_stage3_fresh_state.json, fits_stage3_shard_offload.json,
+# fits_bf16_offload.json) hold the rows before it; docs/planning.md has both.
 FITS_RUNS = (
-    ("fits_stage3_fresh_state.json", ("fp32",), "zr3@2", "zr3+disk@2", 3, "fp32"),
-    ("fits_stage3_shard_offload.json", ("bf16",), "zr3@2", "zr3+disk@2", 3, "bf16"),
-    ("fits_bf16_offload.json", ("rows",), "zr1 (this branch)", "zr1+disk master on disk", 1, "bf16"),
+    ("fits_offload2_stage3_fp32.json", ("fp32",), "zr3@2", "zr3+disk@2", 3, "fp32"),
+    ("fits_offload2_stage3_bf16.json", ("bf16",), "zr3@2", "zr3+disk@2", 3, "bf16"),
+    ("fits_offload2_stage1_bf16.json", ("bf16",), "zr1@2", "zr1+disk@2", 1, "bf16"),
 )
-# rows whose offload measurement predates the disk stepper's change (their label says so)
-FITS_BEFORE_FIX = {("fits_stage3_shard_offload.json", ("bf16",))}
 FITS_CAP = 1000e6
 
 
@@ -377,8 +375,6 @@ def fits_offload() -> None:
         mem_peaks = fits_peaks(mem)
         base = statistics.mean(p - footprint(n, stage, dtype, None) for n, p in mem_peaks.items())
         label = f"{fname.split('.')[0]}:{'/'.join(path)}"
-        if (fname, path) in FITS_BEFORE_FIX:
-            label += "; offload row measured before the fresh-state fix"
         for name, rec, offload in ((mem_key, mem, None), (disk_key, disk, "disk")):
             largest = 0
             while base + footprint(largest + 1, stage, dtype, offload) <= FITS_CAP and largest < 400:

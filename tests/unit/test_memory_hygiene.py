@@ -124,20 +124,28 @@ def test_state_round_trip_through_the_local_shard(stage, dtype):
 
 
 def test_process_memory_runs_engine_work_on_one_thread():
+    """Every step on one thread, whichever thread calls; construction on another of its own
+    ([Note: construction's arena] in memory/process.py)."""
     memory = ProcessMemory(mmap_threshold=None)  # this test process's allocator stays as it is
-    seen = set()
+    seen, built_on = set(), set()
+
+    def build(x):
+        built_on.add(threading.get_ident())
+        return x + 1
 
     def work(x):
         seen.add(threading.get_ident())
         return x + 1
 
-    assert memory.build(work, 1) == 2
+    assert memory.build(build, 1) == 2
     callers = [threading.Thread(target=lambda: memory.step(work, 0)) for _ in range(3)]
     for t in callers:
         t.start()
     for t in callers:
         t.join()
+    assert memory.build(build, 2) == 3  # a second build (a rebuilt engine) on construction's thread again
     assert len(seen) == 1 and threading.get_ident() not in seen
+    assert len(built_on) == 1 and not built_on & seen and threading.get_ident() not in built_on
 
     def fails():
         raise ValueError("step failed")
@@ -161,6 +169,38 @@ def _run_each(script, modes):
                              check=True, timeout=120)
         grew[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     return grew
+
+
+# Construction's pattern in miniature (the sharded build: blocks made, some kept, the rest freed),
+# then a step that allocates blocks of the freed ones' size, under the allocator settings the
+# engine fixes on CPU (1 MiB blocks are the heap's). The script prints how many of the step's
+# blocks were cut from the holes construction left.
+_CONSTRUCTION_HOLES = """
+import json, torch
+from zeroray.memory.process import ProcessMemory, fix_heap_ceiling
+fix_heap_ceiling()
+memory = ProcessMemory()
+kept = []
+def build():
+    blocks = [torch.ones(2**18) for _ in range(64)]  # 1 MiB each
+    kept.extend(blocks[1::2])  # the holes lie between kept blocks: they do not merge into the top
+    return [b.data_ptr() for b in blocks[0::2]]
+holes = memory.build(build)
+def step():
+    blocks = [torch.ones(2**17) for _ in range(32)]  # 512 KiB (an aligned block of a hole's own size needs more)
+    return [b.data_ptr() for b in blocks]
+print(json.dumps(sum(any(h <= p < h + 2**20 for h in holes) for p in memory.step(step))))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_steps_never_cut_their_blocks_from_what_construction_freed():
+    """[Note: construction's arena] in memory/process.py: construction runs in an arena of its own,
+    so the steps' transients never land in the holes construction left (which the trim after it
+    made non-resident: each block cut from one is pages the steps had not touched). When both ran
+    on the compute thread, 19 of the step's 32 blocks were cut from construction's holes."""
+    reused = _run_each(_CONSTRUCTION_HOLES, ("run",))["run"]
+    assert reused == 0, reused
 
 
 # A step's pattern in miniature: a large block freed first (glibc raises its mmap threshold to

@@ -4,17 +4,17 @@ keeps them at what the tensors need.
 [Note: process memory]
 On CPU a worker's memory is its resident set (RSS), and what the model states need is only
 part of it; ``memory_report`` breaks the rest down ([Note: RSS breakdown] in memory/report.py).
-Four things here keep the part that is not tensors small; benchmarks/README.md has what
+Five things here keep the part that is not tensors small; benchmarks/README.md has what
 each one measured (``benchmarks/memory_rss.py``).
 
 - One compute thread. glibc gives each thread that allocates a malloc arena of its own and
   keeps what is freed there for that arena's next allocations. Ray runs a threaded actor's
   calls on a pool of threads, and successive steps land on different ones, so every arena
   grows to a whole step's footprint (activations, backward temporaries): two steps' worth
-  resident at once. ``build`` and ``step`` run the engine on one thread of its own instead,
-  so one arena serves every step. (Setting ``MALLOC_ARENA_MAX`` does the same, but only in
-  the environment the process starts with; ``mallopt`` is too late once the pool's threads
-  have their arenas.)
+  resident at once. ``step`` runs the engine on one thread of its own instead, so one arena
+  serves every step. (Setting ``MALLOC_ARENA_MAX`` does the same, but only in the environment
+  the process starts with; ``mallopt`` is too late once the pool's threads have their arenas.)
+- Construction on a thread of its own ([Note: construction's arena]).
 - Stage 3's unit buffers off the heap. They are mappings of the engine's own, kept between
   gathers ([Note: unit pool] in memory/unit_pool.py), so the heap holds what it holds at stages
   0-2 and stage 3 fixes the allocator as they do (``fix_heap_ceiling``, below). Before the pool,
@@ -65,6 +65,26 @@ each one measured (``benchmarks/memory_rss.py``).
   known apart from construction's; ``report`` gives both and the lifetime peak.
 
 Linux and glibc only; elsewhere each part does nothing and the phase peaks are None.
+
+[Note: construction's arena]
+Construction allocates and frees far more than it keeps: the sharded build makes each layer's
+weights whole, keeps this rank's slices and frees the rest (1.6 GB cut from the heap and freed
+for fits.py's 29-layer GPT, whose rank keeps 0.2 GB), so the arena it ran in is left with
+hundreds of MB of free blocks between the blocks it kept. The trim after construction hands
+their pages back to the OS, but the blocks stay in the arena's bins, and glibc serves a request
+from the smallest free block that holds it: the steps' transients (activations, gradients, the
+disk tier's buffers), cut from those holes instead of from memory the steps already use, spread
+over pages no step touched before, and the resident set grows to the holes they touched. When
+construction ran on the compute thread, that was where the steps' own arena came from. With the
+stage-3 parameter shard and optimizer state on disk the worker's peak stood 50-80 MB higher at 29
+layers for it (benchmarks/offload_steps.py, engine alone, fits.py's shape, peak RSS per rank:
+846-913 MB in three runs, 822-835 in four with construction apart), more the more layers (about
+8 and 30 MB at 6 and 14); in memory less (1333-1340 against 1310-1332 MB at 29 layers, within the
+runs' spread at 6). Why the offload worker's steps found construction's holes more often than the
+in-memory one's is not known. So ``build`` runs on a thread of its own (kept, so that its arena, with
+construction's holes, goes to no other thread), started only once the compute thread holds an
+arena of its own (glibc gives a new thread the arena of a thread that ended, or any arena once
+there are eight per core), and every step runs in an arena construction never used.
 """
 from __future__ import annotations
 
@@ -194,13 +214,19 @@ def trim_heap() -> None:
         trim(0)
 
 
+def _claim_arena() -> None:
+    """Allocate from the C heap on the calling thread, which makes glibc give it an arena now
+    ([Note: construction's arena])."""
+    bytearray(1 << 16)  # above pymalloc's 512 bytes: a malloc of the thread's own
+
+
 class _ComputeThread:
     """One daemon thread that runs the calls given to it, one at a time, and returns their
     results (or raises their exceptions) in the caller's thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "zeroray-compute") -> None:
         self._calls: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="zeroray-compute", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
@@ -247,16 +273,22 @@ class ProcessMemory:
         self.after_construction_rss: Optional[int] = None
         self._phase_peaks = False  # the kernel's peak counts the steps only (reset after construction)
         self._compute: Optional[_ComputeThread] = None
+        self._construction: Optional[_ComputeThread] = None
 
     def _thread(self) -> _ComputeThread:
         if self._compute is None:
             self._compute = _ComputeThread()
+            self._compute.run(_claim_arena)  # its arena, before construction's thread exists
         return self._compute
 
     def build(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        """Run construction ``fn(*args, **kwargs)`` on the compute thread; record its peak, trim
-        what it freed, and start counting the steps' peak."""
-        built = self._thread().run(fn, *args, **kwargs)
+        """Run construction ``fn(*args, **kwargs)`` on a thread of its own, not the compute
+        thread ([Note: construction's arena]); record its peak, trim what it freed, and start
+        counting the steps' peak."""
+        self._thread()
+        if self._construction is None:
+            self._construction = _ComputeThread("zeroray-build")
+        built = self._construction.run(fn, *args, **kwargs)
         self.construction_peak_rss = max(peak_rss_bytes(), self.construction_peak_rss or 0)
         trim_heap()
         self.after_construction_rss = current_rss_bytes()
@@ -278,6 +310,7 @@ class ProcessMemory:
                 "peak_rss_bytes": max(now_peak, self.construction_peak_rss or 0)}
 
     def close(self) -> None:
-        if self._compute is not None:
-            self._compute.stop()
-            self._compute = None
+        for thread in (self._compute, self._construction):
+            if thread is not None:
+                thread.stop()
+        self._compute = self._construction = None
