@@ -172,7 +172,7 @@ def _rank(rank: int, world: int, ports: list, rows: list, large: bool, out: str)
 
 
 def main(argv=None) -> int:
-    from zeroray.comm.port import free_port
+    from zeroray.comm.port import free_ports
 
     args = list(sys.argv[1:] if argv is None else argv)
     large = "--large" in args or bool(os.environ.get("LARGE"))
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown row {row!r}: use coll, ddp, or s<stage>[JSON ZeroConfig overrides]")
     out = os.path.join(tempfile.mkdtemp(prefix="zr-phases-"), "out.json")
     ctx = mp.get_context("spawn")
-    ports = [free_port() for _ in rows]
+    ports = free_ports(len(rows))
     world = int(os.environ.get("WORLD", "2"))
     procs = [ctx.Process(target=_rank, args=(r, world, ports, rows, large, out)) for r in range(world)]
     for p in procs:

@@ -113,12 +113,12 @@ def _cost_rank(rank: int, world: int, ports: list, rows: list, out_dir: str) -> 
 
 def cost(rounds: int) -> None:
     from tests.dist.harness import spawn_ranks
-    from zeroray.comm.port import free_port
+    from zeroray.comm.port import free_ports
 
     world = 2
     rows = [(stage, path) for _ in range(rounds) for stage in STAGES for path in PATHS]
     out_dir = tempfile.mkdtemp(prefix="zr-optimizer-paths-")
-    ports = [free_port() for _ in rows]
+    ports = free_ports(len(rows))
     spawn_ranks(_cost_rank, world, (world, ports, rows), out_dir, join_s=None)
     ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
     spec = BenchSpec(num_workers=world)

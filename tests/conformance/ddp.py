@@ -64,11 +64,11 @@ def _worker(rank: int, world: int, blob: bytes, ports: List[int], out_dir: str) 
 
 def run_ddp(world: int, cases: List[Case]) -> List[List[dict]]:
     """Per case, per rank: {"losses", "unused" (per step), "state" (after the last step)}."""
-    from zeroray.comm.port import free_port
+    from zeroray.comm.port import free_ports
 
     assert all(c.config.world == world for c in cases), "every case runs on all `world` ranks"
     with tempfile.TemporaryDirectory() as out_dir:
-        ports = [free_port() for _ in cases]
+        ports = free_ports(len(cases))
         spawn_ranks(_worker, world, (world, cloudpickle.dumps(cases), ports), out_dir, join_s=300)
         return [[torch.load(os.path.join(out_dir, f"case{i}_rank{r}.pt"), weights_only=False) for r in range(world)]
                 for i in range(len(cases))]

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from zeroray.comm.group import make_torch_group
-from zeroray.comm.port import free_port
+from zeroray.comm.port import free_ports
 from zeroray.comm.user_group import join_default_group, leave_default_group
 from zeroray.engine.batch import batch_size, split_batch
 from zeroray.engine.engine import Engine
@@ -154,7 +154,7 @@ def run_engines(world, specs):
     ``runner(rank, world, port, spec)`` returns (a reference in plain torch), and its
     consolidated parameters are None."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ports = [free_port() for _ in specs]
+        ports = free_ports(len(specs))
         spawn_ranks(_worker, world, (world, ports, cloudpickle.dumps(specs)), out_dir, join_s=300)
         out = []
         for index in range(len(specs)):

@@ -26,7 +26,7 @@ import zeroray as zr
 from tests.batchnorm_models import class_loss, conv_bn, feature_batches, image_batches, mlp_bn
 from tests.dist.harness import gloo_world, load_ranks, spawn_ranks
 from zeroray.comm.group import make_torch_group
-from zeroray.comm.port import free_port
+from zeroray.comm.port import free_port, free_ports
 from zeroray.comm.user_group import join_default_group, leave_default_group
 from zeroray.engine.batch import split_batch
 from zeroray.engine.engine import Engine
@@ -193,8 +193,8 @@ def _zeroray_rank(rank, world, ports, out_dir):
 def runs():
     """Per case: (zeroray's ranks, DDP's ranks)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        spawn_ranks(_ddp_rank, WORLD, (WORLD, [free_port() for _ in CASES]), out_dir, join_s=300)
-        spawn_ranks(_zeroray_rank, WORLD, (WORLD, [free_port() for _ in CASES]), out_dir, join_s=600)
+        spawn_ranks(_ddp_rank, WORLD, (WORLD, free_ports(len(CASES))), out_dir, join_s=300)
+        spawn_ranks(_zeroray_rank, WORLD, (WORLD, free_ports(len(CASES))), out_dir, join_s=600)
         return [(load_ranks(out_dir, f"zr{i}", WORLD), load_ranks(out_dir, f"ddp{i}", WORLD)) for i in range(len(CASES))]
 
 

@@ -24,7 +24,7 @@ from tests.dist.harness import record_failure, spawn_ranks
 from tests.real_models import hf_gpt2, real_batches, real_loss
 from zeroray.engine.batch import split_batch
 from zeroray.comm.group import make_torch_group
-from zeroray.comm.port import free_port
+from zeroray.comm.port import free_ports
 from zeroray.engine.engine import Engine
 from zeroray.errors import PeerStepError
 
@@ -178,7 +178,7 @@ def _worker(rank, world, ports, out_dir):
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as out_dir:
-        spawn_ranks(_worker, WORLD, (WORLD, [free_port() for _ in CASES]), out_dir, join_s=300)
+        spawn_ranks(_worker, WORLD, (WORLD, free_ports(len(CASES))), out_dir, join_s=300)
         return {f"{name}{stage}": [torch.load(os.path.join(out_dir, f"{name}{stage}_rank{r}.pt"), weights_only=False)
                                    for r in range(WORLD)] for name, stage, _ in CASES}
 

@@ -15,7 +15,7 @@ import torch
 
 from tests.dist.harness import record_failure, spawn_ranks
 from zeroray.comm.group import make_torch_group
-from zeroray.comm.port import free_port
+from zeroray.comm.port import free_ports
 
 TIMEOUT_S = 2.0
 
@@ -53,7 +53,7 @@ def _rank(rank, ports, out_dir):
 
 def test_close_joins_every_watcher_within_the_timeout():
     with tempfile.TemporaryDirectory() as out_dir:
-        ports = {"idle": free_port(), "busy": free_port()}
+        ports = dict(zip(("idle", "busy"), free_ports(2)))
         spawn_ranks(_rank, 2, (ports,), out_dir, join_s=120)
         results = torch.load(os.path.join(out_dir, "rank0.pt"))
     idle, busy = results["idle"], results["busy"]

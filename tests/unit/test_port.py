@@ -2,7 +2,7 @@
 connections gloo opens between ranks cannot take it between choosing and binding."""
 import socket
 
-from zeroray.comm.port import ephemeral_range, free_port
+from zeroray.comm.port import ephemeral_range, free_port, free_ports
 
 
 def test_port_is_below_the_ephemeral_range_and_bindable():
@@ -32,3 +32,14 @@ def test_a_port_someone_listens_on_is_not_chosen():
     finally:
         for s in held:
             s.close()
+
+
+def test_ports_drawn_together_are_distinct_and_free():
+    """A process set runs its rendezvous one after another and keeps each finished store listening
+    ([Note: ports drawn together]): a number drawn twice would collide inside the set."""
+    ports = free_ports(300)  # more draws than make a repeat likely among ~22,000 numbers
+    assert len(set(ports)) == 300
+    for port in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("", port))
+

@@ -8,6 +8,14 @@ outgoing connection from, and gloo opens many connections between ranks: a run t
 ports up front lost one to a gloo connection of the run before it (EADDRINUSE at rank 0, the
 other ranks timing out). A port below that range is never given to an outgoing connection, so
 only a listener that picked the very same number could take it.
+
+[Note: ports drawn together]
+A process set that runs several rendezvous one after another (the tests' engine tables) draws
+their ports up front, and a rank keeps each finished run's store listening until it exits (the
+old default group holds the store, and is kept so that its teardown cannot hang the rank). Two
+draws of the same number were then a collision inside the set itself: the later rendezvous met
+EADDRINUSE at rank 0 while the others timed out (CI, tests/dist/test_sync_batchnorm.py, 21
+runs in one set). ``free_ports`` draws numbers that are free now and distinct from each other.
 """
 from __future__ import annotations
 
@@ -49,3 +57,14 @@ def free_port(attempts: int = 64) -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int) -> list:
+    """``count`` distinct ports, each free now, for rendezvous run one after another in one set of
+    processes (see [Note: ports drawn together])."""
+    ports: list = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
