@@ -23,7 +23,8 @@ def _keep_a_finished_default_group(rank, port, out):
                 out.put("free")
             except OSError:
                 out.put("in use")
-    out.get() if rank == 1 else None  # hold rank 1 until rank 0 has looked
+    else:
+        out.get(timeout=120)  # hold rank 1 (and its connections) until rank 0 has looked
     del kept
 
 
@@ -36,8 +37,13 @@ def test_a_kept_default_group_keeps_its_store_port_in_use():
              for r in range(2)]
     for p in procs:
         p.start()
-    answer = seen.get(timeout=120)
-    to_rank1.put("done")
-    for p in procs:
-        p.join(60)
+    try:
+        answer = seen.get(timeout=120)
+        to_rank1.put("done")
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     assert answer == "in use"
