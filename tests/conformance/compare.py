@@ -27,6 +27,13 @@ fp32 (the project's parity bound, as tests/dist/test_engine_parity.py):
   gradient's last-bit difference under another summation order moves its update: a muon case's
   bound for each quantity is the larger of the one above and twice the oracle's own spread under
   reordering (oracle.reorder_spread), as tests/dist/test_whole_param_optim.py bounds torch's Muon.
+  LAMB (the tests' own, tests/whole_param_optimizers.py) is bounded the same way: its trust ratio
+  scales each tensor's update to lr·||w|| whatever the gradient's size, so a parameter whose
+  gradient is zero in exact arithmetic (a bias right before a BatchNorm: rounding noise of 1e-9)
+  moves by lr·||w|| in the direction of that noise, which any other summation order redraws.
+  Fuzz seed 1796672417 (one worker, stage 0, clipping at 0.05): the oracle moved such a bias by
+  2.2e-3 against itself when only its clip norm was summed in another order, and zeroray by the
+  same 2.2e-3; every loss and gradient norm agreed to the fp32 rule.
 bf16 and fp16 compute, or reductions (reduce_dtype; configs.RunConfig.precision), against
 the fp32 oracle (the master weights are fp32, compute or reductions are not):
   - each step's global loss within 2% (bf16) or 0.5% (fp16) relative of the fp32 oracle's,

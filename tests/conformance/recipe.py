@@ -40,8 +40,8 @@ EPS = 1e-3
 OPTIMIZERS = ("adamw", "adam", "sgd_nesterov", "adafactor", "muon", "lamb")
 # the optimizers zeroray steps whole parameters with ([Note: optimizer paths] in engine/optim_choice.py)
 WHOLE_PARAM = ("adafactor", "muon", "lamb")
-# the ones whose bound is the oracle's own spread under reordering (module docstring)
-REORDER_BOUND = ("muon",)
+# the ones whose bound is the oracle's own spread under reordering (compare.py's docstring)
+REORDER_BOUND = ("muon", "lamb")
 BASE_LR = {"adamw": 1e-2, "adam": 1e-2, "sgd_nesterov": 0.1, "adafactor": 1e-2, "muon": 0.02, "lamb": 1e-2}
 
 

@@ -28,7 +28,8 @@ ALL_GAPS = frozenset(EXCLUDABLE)
 # drawn without the then open diverge_dist gap (seed 1995 now also calls torch.distributed in loss_fn)
 FIXED_SEEDS = [1427, 1715, 2271, 1598, 972, 1851, 1337, 598, 1876, 111, 1, 7, 28, 29, 378, 568, 16,
                1742, 714, 1123, 1995, 144, 108, 800, 1727, 166, 11, 13, 21, 31, 57, 592, 839, 48,
-               1796326114]  # Muon clipping at one part: the clip norm summed in another order (reorder_spread)
+               1796326114,  # Muon clipping at one part: the clip norm summed in another order (reorder_spread)
+               1796672417]  # LAMB on a bias before a BatchNorm, the same (compare.py's docstring)
 FIXED_WITHOUT = frozenset()  # the open gaps (SKIPPED_GAPS): none
 GAP_SEEDS = {
     # bf16 scale buffer; fp16 BatchNorm with scale and sinusoidal; bf16 BatchNorm at stage 3;
